@@ -1,0 +1,20 @@
+"""sketchprop: memory-efficient backpropagation through linear layers with sketched weight gradients.
+
+>>> from sketchprop import patch_linear
+>>> names = patch_linear(model, sketch="gaussian", rho=0.1, exclude=r"classifier")
+"""
+
+from .layers import RandomizedLinear
+from .patching import find_linear, patch_linear, unpatch_linear
+from .sketches import SKETCHES, Sketch, get_sketch
+
+__all__ = [
+    "RandomizedLinear",
+    "SKETCHES",
+    "Sketch",
+    "find_linear",
+    "get_sketch",
+    "patch_linear",
+    "unpatch_linear",
+]
+__version__ = "0.1.0"

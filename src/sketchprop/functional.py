@@ -1,0 +1,82 @@
+"""The autograd Function behind :class:`~sketchprop.layers.RandomizedLinear`.
+
+Forward computes ``Y = X W^T + b`` exactly and keeps, for backward, only what each gradient needs:
+
+- ``dX = dY W``            needs ``W`` (a Parameter: no activation memory);
+- ``db = sum_rows dY``     needs nothing;
+- ``dW ~= (S^T dY)^T (S^T X)`` needs the sketch ``S^T X`` and the seed that regenerates ``S``.
+
+``X`` itself is never saved. The sketch ``S^T X`` is formed by the caller (under ``no_grad``) so that
+layers reading the same tensor can share one sketch; this Function only stores it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .sketches import Sketch
+
+__all__ = ["SketchedLinearFunction", "sketched_linear"]
+
+
+class SketchedLinearFunction(torch.autograd.Function):
+    """``Y = X W^T + b`` with exact ``dX``, ``db`` and a sketched ``dW``.
+
+    Args (to ``apply``): ``x`` (``..., N_in``), ``weight``, ``bias`` (or None), ``sx`` (``k x N_in``,
+    the stored sketch, or None when ``weight`` needs no gradient), ``sketch``, ``k``, ``seed``,
+    ``rows`` (indices of the rows the sketch covers, or None for all), ``tracker`` (an optional
+    object with ``backward(dy_rows_sketch_inputs...)``, see :mod:`sketchprop.variance`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sx, sketch: Sketch, k: int, seed: int, rows, tracker):
+        out = F.linear(x, weight, bias)
+        need_x, need_w, _ = ctx.needs_input_grad[:3]
+        ctx.sketch, ctx.k, ctx.seed, ctx.tracker = sketch, k, seed, tracker
+        ctx.x_shape = x.shape
+        ctx.has_rows = rows is not None
+        # Save only what the requested gradients need: a frozen weight keeps no sketch at all.
+        saved = [weight if need_x else None, sx if need_w else None]
+        saved.append(rows if (need_w and rows is not None) else None)
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        weight, sx, rows = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if need_x:
+            dx = (dy2 @ weight).reshape(ctx.x_shape)
+        if need_w:
+            sdy = ctx.sketch.apply(dy2, ctx.k, ctx.seed, rows)
+            dw = sdy.T @ sx
+            if ctx.tracker is not None:
+                ctx.tracker.backward(dy2 if rows is None else dy2.index_select(0, rows), sdy, sx)
+        if need_b:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def sketched_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    sketch: Sketch,
+    k: int,
+    seed: int,
+    rows: Tensor | None = None,
+    sx: Tensor | None = None,
+    tracker=None,
+) -> Tensor:
+    """Functional form: ``F.linear`` whose weight gradient is sketched with ``k`` rows.
+
+    ``sx`` may be passed in (a sketch shared with other layers); otherwise it is formed here.
+    """
+    if sx is None and weight.requires_grad and torch.is_grad_enabled():
+        with torch.no_grad():
+            sx = sketch.apply(x.detach().reshape(-1, x.shape[-1]), k, seed, rows)
+    return SketchedLinearFunction.apply(x, weight, bias, sx, sketch, k, seed, rows, tracker)

@@ -1,0 +1,220 @@
+"""``RandomizedLinear``: an ``nn.Linear`` whose weight gradient is computed from a sketch."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import weakref
+from collections.abc import Mapping
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .functional import SketchedLinearFunction
+from .sketches import SKETCHES, Sketch, get_sketch, num_proj_rows
+
+__all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "resolve_rho"]
+
+# Below this many rows a sketch saves next to nothing and adds the most variance (the classifier head
+# sees one row per example), so such layers keep their input exactly. The authors clamp at 3 rows.
+DEFAULT_MIN_ROWS = 16
+
+
+def check_rho(rho) -> float:
+    """Return ``rho`` as a float in (0, 1]; raise ``ValueError`` naming it otherwise."""
+    try:
+        value = float(rho)
+    except (TypeError, ValueError):
+        raise ValueError(f"rho must be a number in (0, 1], got {rho!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"rho must be in (0, 1], got {rho!r}")
+    return value
+
+
+def _stable_seed(*parts) -> int:
+    """A 63-bit seed from the parts, the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SketchContext:
+    """State shared by the layers patched in one model.
+
+    - ``rows``: indices of the non-padding token rows of the current batch, taken from the model's
+      ``attention_mask`` by a forward pre-hook (``skip_padding``). It stays until the next model call,
+      so activation-checkpoint recomputation in backward sees the same rows.
+    - a cache of sketches by input tensor (``share_inputs``): layers that read the same tensor
+      (Q, K, V) reuse one ``S^T X`` and one seed. Entries hold weak references only, so the cache
+      never keeps an input or a sketch alive.
+    """
+
+    def __init__(self):
+        self.mask_shape: tuple[int, ...] | None = None
+        self.rows: Tensor | None = None
+        self._shared: dict[tuple, tuple[weakref.ref, weakref.ref, int]] = {}
+
+    def set_mask(self, mask: Tensor | None) -> None:
+        if mask is None or mask.dim() != 2:
+            self.mask_shape, self.rows = None, None
+            return
+        self.mask_shape = tuple(mask.shape)
+        self.rows = mask.reshape(-1).nonzero().squeeze(1)
+        self._shared.clear()
+
+    def rows_for(self, x: Tensor) -> Tensor | None:
+        if self.rows is not None and tuple(x.shape[:-1]) == self.mask_shape:
+            return self.rows
+        return None
+
+    def lookup(self, key: tuple, x: Tensor) -> tuple[Tensor, int] | None:
+        hit = self._shared.get(key)
+        if hit is None:
+            return None
+        x_ref, sx_ref, seed = hit
+        sx = sx_ref()
+        if x_ref() is not x or sx is None:
+            del self._shared[key]
+            return None
+        return sx, seed
+
+    def store(self, key: tuple, x: Tensor, sx: Tensor, seed: int) -> None:
+        for k in [k for k, (xr, sr, _) in self._shared.items() if xr() is None or sr() is None]:
+            del self._shared[k]
+        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed)
+
+
+class RandomizedLinear(nn.Linear):
+    """A linear layer with exact forward, exact ``dX``/``db``, and a randomized weight gradient.
+
+    The forward pass stores ``S^T X`` (``B_proj x N_in`` with ``B_proj = max(min_rows,
+    ceil(rho * B))``, never more than ``B``) instead of ``X``; backward regenerates ``S`` from the
+    call's seed and returns ``dW = (S^T dY)^T (S^T X)``, an unbiased estimate of ``dY^T X``. When
+    ``B_proj`` reaches ``B`` the layer stores its input rows and is exact.
+
+    Each forward call draws a fresh seed from the layer's own generator, seeded by ``seed`` (the run
+    seed), the layer ``name`` and the distributed rank; the global RNG is never touched, so dropout
+    streams stay as in the exact model.
+
+    Args:
+        sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.
+        rho: compression rate in (0, 1].
+        min_rows: lower bound on ``B_proj``.
+        seed: run seed. ``name``: the layer's qualified name (part of its seed).
+        share_inputs / skip_padding: use the :class:`SketchContext` ``context`` (set by
+            :func:`~sketchprop.patch_linear`) to share sketches of one input and skip padding rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        sketch: str | Sketch = "gaussian",
+        rho: float = 0.1,
+        min_rows: int = DEFAULT_MIN_ROWS,
+        seed: int = 0,
+        name: str = "",
+        share_inputs: bool = False,
+        skip_padding: bool = False,
+        context: SketchContext | None = None,
+    ):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._configure(sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context)
+
+    def _configure(self, sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context):
+        self.sketch = get_sketch(sketch)
+        self.rho = check_rho(rho)
+        if int(min_rows) < 1:
+            raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
+        self.min_rows = int(min_rows)
+        self.seed, self.name = int(seed), name
+        self.share_inputs, self.skip_padding = share_inputs, skip_padding
+        self.context = context
+        self.tracker = None  # set by variance tracking
+        self._gen: torch.Generator | None = None
+        self.calls = 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, sketch: str | Sketch = "gaussian", rho: float = 0.1,
+                    **kwargs) -> RandomizedLinear:
+        """Wrap ``linear``, reusing its ``weight`` and ``bias`` Parameters (same state_dict keys)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected nn.Linear, got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", sketch=sketch, rho=rho, **kwargs)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding the same Parameters."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device="meta")
+        lin.weight, lin.bias = self.weight, self.bias
+        lin.train(self.training)
+        return lin
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sketch={self.sketch.name}, rho={self.rho:g}"
+
+    def _next_seed(self) -> int:
+        if self._gen is None:
+            rank = 0
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                rank = torch.distributed.get_rank()  # each rank draws its own sketches
+            self._gen = torch.Generator().manual_seed(_stable_seed(self.seed, self.name, rank))
+        self.calls += 1
+        return int(torch.randint(0, 2**62, (), generator=self._gen))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        weight, bias, inp = self.weight, self.bias, x
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:
+            # Cast as autocast would for F.linear; the Function then runs with autocast off.
+            dtype = torch.get_autocast_dtype(device_type)
+            inp, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+
+        rows = self.context.rows_for(x) if (self.skip_padding and self.context) else None
+        n = x.numel() // x.shape[-1] if rows is None else rows.shape[0]
+        k = num_proj_rows(n, self.rho, self.min_rows)
+        sketch = self.sketch if k < n else SKETCHES["exact"]
+
+        sx, seed = None, 0
+        if self.weight.requires_grad:
+            key = (sketch.name, k, inp.dtype, rows is not None)
+            shared = self.share_inputs and self.context is not None
+            hit = self.context.lookup(key, x) if shared else None
+            if hit is not None:
+                sx, seed = hit
+            else:
+                seed = self._next_seed()
+                with torch.no_grad():
+                    sx = sketch.apply(inp.detach().reshape(-1, self.in_features), k, seed, rows)
+                if shared:
+                    self.context.store(key, x, sx, seed)
+            if self.tracker is not None:
+                self.tracker.forward(inp.detach().reshape(-1, self.in_features), rows, k)
+
+        with torch.autocast(device_type, enabled=False) if autocast else nullcontext():
+            return SketchedLinearFunction.apply(inp, weight, bias, sx, sketch, k, seed, rows,
+                                                self.tracker)
+
+
+def resolve_rho(rho: float | Mapping[str, float], name: str) -> float:
+    """``rho`` for layer ``name``: a number, or the first regex key of a mapping found in ``name``."""
+    if isinstance(rho, Mapping):
+        for pattern, value in rho.items():
+            if re.search(pattern, name):
+                return check_rho(value)
+        raise ValueError(f"no key of the rho mapping {dict(rho)} matches layer {name!r}")
+    return check_rho(rho)
