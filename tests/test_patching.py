@@ -1,0 +1,211 @@
+"""Patching level: patch_linear / unpatch_linear on a tiny RoBERTa built from a config."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import RobertaConfig, RobertaForSequenceClassification
+
+from sketchprop import RandomizedLinear, patch_linear, unpatch_linear
+from sketchprop.measure import SavedTensorMeter
+
+PER_LAYER = [
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "attention.output.dense",
+    "intermediate.dense",
+    "output.dense",
+]
+HEAD = ["classifier.dense", "classifier.out_proj"]
+
+
+def tiny_roberta(layers=2, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    cfg = RobertaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=40, num_labels=2, pad_token_id=1,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )
+    return RobertaForSequenceClassification(cfg)
+
+
+def batch(b=4, length=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (b, length), generator=g)
+    mask = torch.ones(b, length, dtype=torch.long)
+    for i in range(b):  # padded as real batches are: the longest row has no padding
+        n = length - 5 * i
+        mask[i, n:] = 0
+        ids[i, n:] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.arange(b) % 2}
+
+
+def layer_names(layers=2):
+    return [f"roberta.encoder.layer.{i}.{s}" for i in range(layers) for s in PER_LAYER]
+
+
+def test_patches_every_linear_with_head_unless_excluded():
+    model = tiny_roberta()
+    assert patch_linear(model, "gaussian", 0.5) == layer_names() + HEAD
+    assert all(isinstance(model.get_submodule(n), RandomizedLinear) for n in layer_names() + HEAD)
+
+    model = tiny_roberta()
+    assert patch_linear(model, "gaussian", 0.5, exclude=r"classifier") == layer_names()
+    assert type(model.classifier.dense) is nn.Linear
+
+
+def test_targets_regex():
+    model = tiny_roberta()
+    names = patch_linear(model, "dct", 0.2, targets=r"attention\.self\.(query|key|value)$")
+    assert names == [n for n in layer_names() if n.split(".")[-1] in ("query", "key", "value")]
+
+
+def test_state_dict_and_parameters_unchanged():
+    model = tiny_roberta()
+    keys = list(model.state_dict())
+    params = {n: p for n, p in model.named_parameters()}
+    patch_linear(model, "gaussian", 0.1)
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+
+
+def test_unpatch_round_trip():
+    model = tiny_roberta()
+    model.eval()
+    data = batch()
+    with torch.no_grad():
+        before = model(**data).logits
+    keys = list(model.state_dict())
+    hooks = dict(model._forward_pre_hooks)
+    patch_linear(model, "blocksrht", 0.1)
+    assert len(model._forward_pre_hooks) == len(hooks) + 1  # the attention-mask hook
+    with torch.no_grad():
+        patched = model(**data).logits
+    assert unpatch_linear(model) == layer_names() + HEAD
+    assert not any(isinstance(m, RandomizedLinear) for m in model.modules())
+    with torch.no_grad():
+        after = model(**data).logits
+    torch.testing.assert_close(patched, before, rtol=0, atol=0)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert list(model.state_dict()) == keys
+    assert dict(model._forward_pre_hooks) == hooks
+    patch_linear(model, "dct", 0.2)  # can be patched again after unpatching
+
+
+def test_training_forward_and_dropout_stream_unchanged():
+    """Sketch seeds never come from the global RNG, so dropout masks match the exact model."""
+    model = tiny_roberta(dropout=0.1)
+    model.train()
+    data = batch()
+    torch.manual_seed(3)
+    ref = model(**data).logits
+    patch_linear(model, "gaussian", 0.2)
+    torch.manual_seed(3)
+    out = model(**data).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rho": 0.0}, "rho"),
+        ({"rho": 1.01}, "rho"),
+        ({"sketch": "gausian"}, "gausian"),
+        ({"targets": r"nothing_here"}, "match no nn.Linear"),
+        ({"exclude": r"."}, "match no nn.Linear"),
+        ({"targets": r"("}, "not a valid regex"),
+        ({"rho": {r"query": 0.1}}, "rho mapping"),
+        ({"rho": {r"query": 0.1, r".": 2.0}}, "rho"),
+    ],
+)
+def test_bad_arguments_raise_and_change_nothing(kwargs, match):
+    model = tiny_roberta()
+    args = {"sketch": "gaussian", "rho": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        patch_linear(model, **args)
+    assert not any(isinstance(m, RandomizedLinear) for m in model.modules())
+    assert not hasattr(model, "_sketchprop_hooks")
+
+
+def test_patching_twice_raises():
+    model = tiny_roberta()
+    patch_linear(model, "gaussian", 0.1)
+    with pytest.raises(ValueError, match="already patched"):
+        patch_linear(model, "gaussian", 0.1)
+
+
+def test_rho_per_layer_mapping():
+    model = tiny_roberta()
+    patch_linear(model, "gaussian", {r"intermediate": 0.5, r".": 0.1})
+    assert model.roberta.encoder.layer[0].intermediate.dense.rho == 0.5
+    assert model.roberta.encoder.layer[0].output.dense.rho == 0.1
+
+
+def _saved_bytes(model, data):
+    with SavedTensorMeter(model) as meter:
+        loss = model(**data).loss
+    loss.backward()
+    return meter.bytes
+
+
+def test_share_inputs_stores_one_sketch_for_qkv():
+    data = batch(length=32)
+    sizes = {}
+    for share in (False, True):
+        model = tiny_roberta()
+        patch_linear(model, "gaussian", 0.5, targets=r"self\.(query|key|value)",
+                     share_inputs=share, skip_padding=False)
+        sizes[share] = _saved_bytes(model, data)
+    exact = _saved_bytes(tiny_roberta(), data)
+    # Per layer, Q/K/V store 3 * 0.5 of their input unshared (more than the one exact copy, which
+    # other ops in the exact model save too) and 0.5 of it shared.
+    rows = data["input_ids"].numel()
+    per_copy = 2 * (rows // 2) * 32 * 4  # two layers, 0.5 * rows, hidden 32, float32
+    assert sizes[False] - sizes[True] == 2 * per_copy
+    assert sizes[True] < sizes[False] and exact > 0
+
+
+def test_padding_rows_get_zero_output_gradient():
+    """The premise of skip_padding: in encoder classification, padding rows carry no gradient."""
+    model = tiny_roberta()
+    data = batch()
+    outs = []
+
+    def keep(module, args, out):
+        out.retain_grad()
+        outs.append(out)
+
+    for layer in model.roberta.encoder.layer:
+        for mod in (layer.attention.self.query, layer.intermediate.dense, layer.output.dense):
+            mod.register_forward_hook(keep)
+    model(**data).loss.backward()
+    pad = data["attention_mask"] == 0
+    assert pad.any()
+    for out in outs:
+        assert torch.all(out.grad[pad] == 0)
+        assert out.grad[~pad].abs().sum() > 0
+
+
+def test_skip_padding_exact_sketch_gives_exact_gradient_and_fewer_rows():
+    data = batch()
+    ref = tiny_roberta()
+    ref(**data).loss.backward()
+    model = tiny_roberta()
+    patch_linear(model, "exact", 1.0, exclude="classifier", skip_padding=True)
+    model(**data).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n, rtol=1e-5, atol=1e-6)
+    plain = tiny_roberta()
+    patch_linear(plain, "exact", 1.0, exclude="classifier", skip_padding=False)
+    assert _saved_bytes(model, data) < _saved_bytes(plain, data)
+
+
+def test_skip_padding_sketch_covers_only_real_rows():
+    model = tiny_roberta()
+    data = batch()
+    patch_linear(model, "gaussian", 0.5, exclude="classifier", skip_padding=True, min_rows=1)
+    layer = model.roberta.encoder.layer[0].intermediate.dense
+    seen = {}
+    layer.register_forward_hook(lambda m, a, o: seen.update(rows=m.context.rows_for(a[0])))
+    model(**data).loss.backward()
+    assert seen["rows"].numel() == int(data["attention_mask"].sum())
