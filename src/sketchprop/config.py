@@ -1,0 +1,278 @@
+"""Hydra config schemas: one dataclass per config group, registered in the ConfigStore.
+
+Every YAML file of a group starts from its schema (``defaults: [/schema/<group>@_here_, _self_]``)
+and the root config from :class:`Config`, so a misspelt key or a value of the wrong type fails when
+the config is composed. The sketch name and the metric names are enums (also checked at compose
+time). Ranges (``rho`` in (0, 1], positive sizes, ...) are checked by each schema's
+``__post_init__``, which OmegaConf runs only when it builds the objects: :func:`validate` does that,
+and the training entry point calls it before anything else.
+
+Groups (files under ``configs/``): task, model, method, train, logger, experiment (``# @package
+_global_`` overrides of the root :class:`Config`, so they may set any key), hydra/launcher.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .layers import DEFAULT_MIN_ROWS
+from .sketches import SKETCHES
+
+__all__ = [
+    "CONFIG_DIR",
+    "REPO_ROOT",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggerConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "compose",
+    "validate",
+]
+
+#: The repository root (``src/sketchprop`` is two levels below it in an editable install).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: ``configs/`` at the repository root, where ``python -m sketchprop.train`` reads its configs.
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A config value is out of range; the message names the key, the value and the fix."""
+
+
+# Enums make OmegaConf reject an unknown name at compose time, listing the valid ones.
+SketchName = enum.Enum("SketchName", {name: name for name in SKETCHES}, type=str)
+Metric = enum.Enum("Metric", {m: m for m in ("matthews", "accuracy", "f1", "pearson", "spearman")},
+                   type=str)
+Precision = enum.Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16")}, type=str)
+WandbMode = enum.Enum("WandbMode", {m: m for m in ("offline", "online", "disabled")}, type=str)
+
+
+def _check(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: expected {expected}")
+
+
+@dataclass
+class DevSet:
+    """One dev set of a task: the hub split, the TSV file, and a suffix for its metric names."""
+
+    split: str = "validation"
+    file: str = "dev.tsv"
+    suffix: str = ""  # "_mm" for MNLI mismatched, as HF run_glue names it
+
+
+@dataclass
+class TaskConfig:
+    """A GLUE task: its data, how to score it, and the authors' batch size and learning rate."""
+
+    name: str = MISSING  # the nyu-mll/glue config name: cola, sst2, ...
+    dir: str = MISSING  # its folder in the classic GLUE layout: CoLA, SST-2, ...
+    text_columns: list[str] = MISSING  # one column, or a sentence pair
+    labels: list[str] = MISSING  # label names in hub order; one entry (the score) for regression
+    metrics: list[Metric] = MISSING  # the first is the paper's metric (picks the best epoch)
+    dev: list[DevSet] = field(default_factory=lambda: [DevSet()])
+    batch_size: int = MISSING
+    learning_rate: float = MISSING
+
+    @property
+    def regression(self) -> bool:
+        return len(self.labels) == 1
+
+    def __post_init__(self):
+        _check(len(self.text_columns) in (1, 2), "task.text_columns", self.text_columns,
+               "one column or a pair")
+        _check(len(self.labels) >= 1, "task.labels", self.labels, "at least one label")
+        _check(len(self.metrics) >= 1, "task.metrics", self.metrics, "at least one metric")
+        _check(self.batch_size >= 1, "task.batch_size", self.batch_size, "an integer >= 1")
+        _check(self.learning_rate > 0, "task.learning_rate", self.learning_rate, "a number > 0")
+
+
+@dataclass
+class RandomModel:
+    """Size of a randomly initialised RoBERTa (``model.random``) with a locally built tokenizer."""
+
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    intermediate_size: int = 64
+    vocab_size: int = 2000  # at most this many word-level tokens, learned from the training texts
+
+    def __post_init__(self):
+        _check(self.hidden_size % self.num_attention_heads == 0, "model.random.hidden_size",
+               self.hidden_size, "a multiple of model.random.num_attention_heads")
+
+
+@dataclass
+class ModelConfig:
+    """``name`` goes into results; ``name_or_path`` is a hub id or a folder; null = ``random``."""
+
+    name: str = MISSING
+    name_or_path: str | None = None
+    random: RandomModel | None = None
+
+    def __post_init__(self):
+        _check((self.name_or_path is None) != (self.random is None), "model.name_or_path",
+               self.name_or_path, "either a hub id / folder or model.random, not both")
+
+
+@dataclass
+class MethodConfig:
+    """How the nn.Linear layers are patched (``sketch: exact`` leaves the model unpatched)."""
+
+    sketch: SketchName = MISSING
+    rho: float = MISSING
+    targets: str | None = None  # regex on module names; null = every nn.Linear
+    exclude: str | None = None  # null patches the classifier head too, as the paper does
+    share_inputs: bool = True
+    skip_padding: bool = True
+    min_rows: int = DEFAULT_MIN_ROWS
+
+    def __post_init__(self):
+        _check(0.0 < self.rho <= 1.0, "method.rho", self.rho,
+               "a compression rate in (0, 1], e.g. method.rho=0.1")
+        _check(self.min_rows >= 1, "method.min_rows", self.min_rows, "an integer >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation recipe; batch size and learning rate default to the task's."""
+
+    seed: int = 1
+    epochs: float = MISSING
+    max_steps: int = -1  # > 0 overrides epochs (cheap tests and smoke runs)
+    batch_size: int = MISSING
+    eval_batch_size: int = MISSING
+    learning_rate: float = MISSING
+    weight_decay: float = MISSING
+    adam_beta1: float = MISSING
+    adam_beta2: float = MISSING
+    adam_epsilon: float = MISSING
+    lr_scheduler: str = MISSING  # an HF lr_scheduler_type
+    warmup_ratio: float = MISSING
+    max_length: int = MISSING
+    precision: Precision = Precision.fp32
+    logging_steps: int = 50
+    resume: bool = False  # continue from the last checkpoint of this run's checkpoint folder
+
+    def __post_init__(self):
+        _check(math.isfinite(self.epochs) and self.epochs > 0, "train.epochs", self.epochs,
+               "a number > 0")
+        _check(self.max_steps == -1 or self.max_steps > 0, "train.max_steps", self.max_steps,
+               "-1 (use train.epochs) or an integer > 0")
+        for key in ("batch_size", "eval_batch_size", "max_length", "logging_steps"):
+            _check(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an integer >= 1")
+        _check(self.learning_rate > 0, "train.learning_rate", self.learning_rate, "a number > 0")
+        _check(0.0 <= self.warmup_ratio < 1.0, "train.warmup_ratio", self.warmup_ratio,
+               "a fraction in [0, 1)")
+
+
+@dataclass
+class LoggerConfig:
+    """``name: wandb`` logs through the HF Trainer; ``name: none`` logs nothing."""
+
+    name: str = MISSING
+    project: str = "sketchprop"
+    entity: str | None = None
+    mode: WandbMode = WandbMode.offline  # logger.mode=online to sync
+
+    def __post_init__(self):
+        _check(self.name in ("wandb", "none"), "logger.name", self.name, "'wandb' or 'none'")
+
+
+@dataclass
+class DataConfig:
+    glue_dir: str | None = None  # folder in the classic GLUE layout; null = hub nyu-mll/glue
+    max_train_samples: int | None = None  # the first N training examples (as HF run_glue)
+    max_eval_samples: int | None = None  # the first N examples of each dev set
+
+    def __post_init__(self):
+        for key in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, key)
+            _check(value is None or value >= 1, f"data.{key}", value, "null or an integer >= 1")
+
+
+@dataclass
+class Config:
+    """The root config (``configs/config.yaml``)."""
+
+    task: TaskConfig = MISSING
+    model: ModelConfig = MISSING
+    method: MethodConfig = MISSING
+    train: TrainConfig = MISSING
+    logger: LoggerConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    experiment_name: str | None = None  # null: the chosen experiment file's name, else "default"
+    results_dir: str = MISSING
+    checkpoints_dir: str = MISSING
+    overwrite: bool = False  # rerun even if the result JSON exists
+
+
+def _package_model_path(package: str) -> str:
+    """``${sp.package_model:pkg}``: the model folder that ``pkg.get_model_path()`` returns."""
+    import importlib
+
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(
+            f"model package {package!r} is not installed: pip install {package.replace('_', '-')}"
+        ) from None
+    return str(module.get_model_path())
+
+
+def _sweep_subdir(overrides: str, seed: Any) -> str:
+    """``${sp.sweep_subdir:...}``: ``<overrides less seed>/seed=<seed>``, never an absolute path."""
+    return f"{overrides.replace('/', '_') or 'default'}/seed={seed}"
+
+
+def register() -> None:
+    """Register the schemas and the ``sp.*`` resolvers (idempotent; done on import)."""
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="config", node=Config)
+    for group, node in [("task", TaskConfig), ("model", ModelConfig), ("method", MethodConfig),
+                        ("train", TrainConfig), ("logger", LoggerConfig)]:
+        cs.store(group="schema", name=group, node=node)
+    OmegaConf.register_new_resolver("sp.repo", lambda: str(REPO_ROOT), replace=True)
+    OmegaConf.register_new_resolver("sp.package_model", _package_model_path, replace=True)
+    OmegaConf.register_new_resolver("sp.sweep_subdir", _sweep_subdir, replace=True)
+
+
+register()
+
+
+def validate(cfg: DictConfig) -> Config:
+    """Resolve ``cfg`` and run every schema's checks; returns the typed :class:`Config`.
+
+    Raises :class:`ConfigError` naming the bad key and value.
+    """
+    try:
+        return OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as err:  # OmegaConf's own errors already name the key
+        raise ConfigError(str(err)) from None
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
+    """Compose ``configs/config.yaml`` with Hydra overrides (no run folder) and validate it.
+
+    >>> cfg = compose(["task=rte", "model=minilm", "method.rho=0.2"])
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    validate(cfg)
+    return cfg
