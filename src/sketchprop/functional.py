@@ -27,11 +27,13 @@ class SketchedLinearFunction(torch.autograd.Function):
     Args (to ``apply``): ``x`` (``..., N_in``), ``weight``, ``bias`` (or None), ``sx`` (``k x N_in``,
     the stored sketch, or None when ``weight`` needs no gradient), ``sketch``, ``k``, ``seed``,
     ``rows`` (indices of the rows the sketch covers, or None for all), ``tracker`` (an optional
-    object with ``backward(dy_rows_sketch_inputs...)``, see :mod:`sketchprop.variance`).
+    :class:`~sketchprop.variance.VarianceTracker`) and ``tstate`` (the tensor its ``forward``
+    returned; saved for backward, then passed to ``tracker.backward``).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sx, sketch: Sketch, k: int, seed: int, rows, tracker):
+    def forward(ctx, x, weight, bias, sx, sketch: Sketch, k: int, seed: int, rows, tracker,
+                tstate=None):
         out = F.linear(x, weight, bias)
         need_x, need_w, _ = ctx.needs_input_grad[:3]
         ctx.sketch, ctx.k, ctx.seed, ctx.tracker = sketch, k, seed, tracker
@@ -40,12 +42,13 @@ class SketchedLinearFunction(torch.autograd.Function):
         # Save only what the requested gradients need: a frozen weight keeps no sketch at all.
         saved = [weight if need_x else None, sx if need_w else None]
         saved.append(rows if (need_w and rows is not None) else None)
+        saved.append(tstate if (need_w and tracker is not None) else None)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        weight, sx, rows = ctx.saved_tensors
+        weight, sx, rows, tstate = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
@@ -55,10 +58,10 @@ class SketchedLinearFunction(torch.autograd.Function):
             sdy = ctx.sketch.apply(dy2, ctx.k, ctx.seed, rows)
             dw = sdy.T @ sx
             if ctx.tracker is not None:
-                ctx.tracker.backward(dy2 if rows is None else dy2.index_select(0, rows), sdy, sx)
+                ctx.tracker.backward(tstate, dy2, rows, sdy, sx, dw, ctx.sketch, ctx.k)
         if need_b:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def sketched_linear(
@@ -76,7 +79,13 @@ def sketched_linear(
 
     ``sx`` may be passed in (a sketch shared with other layers); otherwise it is formed here.
     """
-    if sx is None and weight.requires_grad and torch.is_grad_enabled():
+    tstate = None
+    if weight.requires_grad and torch.is_grad_enabled():
         with torch.no_grad():
-            sx = sketch.apply(x.detach().reshape(-1, x.shape[-1]), k, seed, rows)
-    return SketchedLinearFunction.apply(x, weight, bias, sx, sketch, k, seed, rows, tracker)
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            if sx is None:
+                sx = sketch.apply(x2, k, seed, rows)
+            if tracker is not None:
+                tstate = tracker.forward(x2, rows, k, sketch)
+    return SketchedLinearFunction.apply(x, weight, bias, sx, sketch, k, seed, rows, tracker,
+                                        tstate)

@@ -189,7 +189,7 @@ class RandomizedLinear(nn.Linear):
         k = num_proj_rows(n, self.rho, self.min_rows)
         sketch = self.sketch if k < n else SKETCHES["exact"]
 
-        sx, seed = None, 0
+        sx, seed, tstate = None, 0, None
         if self.weight.requires_grad:
             key = (sketch.name, k, inp.dtype, rows is not None)
             shared = self.share_inputs and self.context is not None
@@ -202,12 +202,14 @@ class RandomizedLinear(nn.Linear):
                     sx = sketch.apply(inp.detach().reshape(-1, self.in_features), k, seed, rows)
                 if shared:
                     self.context.store(key, x, sx, seed)
-            if self.tracker is not None:
-                self.tracker.forward(inp.detach().reshape(-1, self.in_features), rows, k)
+            if self.tracker is not None:  # variance tracking: B row norms, saved for backward
+                with torch.no_grad():
+                    tstate = self.tracker.forward(inp.detach().reshape(-1, self.in_features),
+                                                  rows, k, sketch)
 
         with torch.autocast(device_type, enabled=False) if autocast else nullcontext():
             return SketchedLinearFunction.apply(inp, weight, bias, sx, sketch, k, seed, rows,
-                                                self.tracker)
+                                                self.tracker, tstate)
 
 
 def resolve_rho(rho: float | Mapping[str, float], name: str) -> float:

@@ -15,6 +15,7 @@ from torch import nn
 
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, resolve_rho
 from .sketches import get_sketch
+from .variance import VarianceTracker, estimator_design, select_layers
 
 __all__ = ["patch_linear", "unpatch_linear", "find_linear"]
 
@@ -74,6 +75,7 @@ def patch_linear(
     skip_padding: bool = True,
     min_rows: int = DEFAULT_MIN_ROWS,
     seed: int = 0,
+    track_variance=None,
 ) -> list[str]:
     """Replace ``nn.Linear`` modules of ``model`` in place by :class:`RandomizedLinear`.
 
@@ -92,13 +94,18 @@ def patch_linear(
             gradient.
         min_rows: ``B_proj`` is at least this many rows (at most ``B``).
         seed: run seed; each layer's sketch stream is seeded by it and the layer's name.
+        track_variance: layers whose gradient variance to record each step (see
+            :mod:`sketchprop.variance`): a regex on the replaced names, a list of them, or True for
+            all. Each gets a :class:`~sketchprop.variance.VarianceTracker` (``B`` floats of saved
+            memory per forward); read the records with ``sketchprop.variance.collect(model)``.
 
     Returns:
         The qualified names of the replaced modules, in module order.
 
     Raises:
         ValueError: unknown sketch, ``rho`` outside (0, 1], invalid regex, a model already patched,
-            or patterns that match no ``nn.Linear``. Nothing is changed when it raises.
+            patterns that match no ``nn.Linear``, or a ``track_variance`` that selects no replaced
+            layer (or names one that is not replaced). Nothing is changed when it raises.
     """
     sketch_obj = get_sketch(sketch)
     if getattr(model, _HOOKS, None) is not None:
@@ -113,6 +120,9 @@ def patch_linear(
     rates = {name: resolve_rho(rho, name) for name in names}
     if int(min_rows) < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
+    tracked = set(select_layers(names, track_variance))
+    if tracked:
+        estimator_design(sketch_obj, 2, 1)  # raises for a kind without an online estimator
 
     context = SketchContext()
     hooks = []
@@ -128,6 +138,8 @@ def patch_linear(
             seed=seed, name=name, share_inputs=share_inputs, skip_padding=skip_padding,
             context=context,
         )
+        if name in tracked:
+            new.tracker = VarianceTracker(name)
         setattr(parent, child, new)
     return names
 

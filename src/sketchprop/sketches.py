@@ -65,8 +65,13 @@ class Sketch:
         raise NotImplementedError
 
     def expected_variance(self, x: Tensor, y: Tensor, k: int) -> float | None:
-        """``E |X^T S S^T Y - X^T Y|_F^2`` in closed form, or None where none is implemented."""
-        return None
+        """``E |X^T S S^T Y - X^T Y|_F^2`` in closed form, or None where none is implemented.
+
+        The formulas of all kinds live in one place, :func:`sketchprop.variance.expected_variance`.
+        """
+        from .variance import expected_variance
+
+        return expected_variance(self, x, y, k)
 
 
 @dataclass(frozen=True)
@@ -78,9 +83,6 @@ class Exact(Sketch):
 
     def apply(self, a, k, seed, rows=None):
         return _take(a, rows)
-
-    def expected_variance(self, x, y, k):
-        return 0.0
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,6 @@ class Gaussian(Sketch):
         s = s.mul_(1.0 / math.sqrt(k)).to(a.dtype)
         return s @ a
 
-    def expected_variance(self, x, y, k):
-        # Isserlis: E|X^T S S^T Y|^2 = (1 + 1/k)|X^T Y|^2 + |X|^2 |Y|^2 / k.
-        xty = (x.T.double() @ y.double()).square().sum().item()
-        return (x.double().square().sum().item() * y.double().square().sum().item() + xty) / k
-
 
 @dataclass(frozen=True)
 class Rademacher(Sketch):
@@ -114,13 +111,6 @@ class Rademacher(Sketch):
         bits = torch.randint(0, 2, (k, a.shape[0]), generator=g, device=a.device, dtype=torch.int8)
         s = (bits * 2 - 1).to(a.dtype).mul_(1.0 / math.sqrt(k))
         return s @ a
-
-    def expected_variance(self, x, y, k):
-        # As Gaussian, less the fourth-moment excess of +-1 entries on the diagonal terms.
-        x, y = x.double(), y.double()
-        xty = (x.T @ y).square().sum().item()
-        diag = (x.square().sum(1) * y.square().sum(1)).sum().item()
-        return (x.square().sum().item() * y.square().sum().item() + xty - 2 * diag) / k
 
 
 def _dct_ortho(a: Tensor) -> Tensor:
@@ -235,16 +225,6 @@ class BlockSRHT(Sketch):
         coef = coef * math.sqrt(n_pad / k)
         valid = src < n
         return src.masked_fill(~valid, 0), coef.masked_fill(~valid, 0.0)
-
-    def expected_variance(self, x, y, k):
-        if self.block != 1:
-            return None
-        # Uniform sampling of k of n rows without replacement, scaled by n/k.
-        n = x.shape[0]
-        x, y = x.double(), y.double()
-        per_row = (x.square().sum(1) * y.square().sum(1)).sum().item()
-        xty = (x.T @ y).square().sum().item()
-        return n * (n - k) / (k * (n - 1)) * (per_row - xty / n) if n > 1 else 0.0
 
     def apply(self, a, k, seed, rows=None):
         n = a.shape[0] if rows is None else rows.shape[0]

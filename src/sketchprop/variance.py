@@ -1,0 +1,563 @@
+r"""Gradient variance of a sketched linear layer (paper Section 2.3, Figure 4).
+
+Notation: ``X`` is the layer input (``B x N_in``, rows ``x_i``), ``Y`` the output gradient
+(``B x N_out``, rows ``y_i``), ``G = X^T Y`` the exact weight gradient (transposed), ``k = B_proj``,
+
+    sq_x = |X|_F^2,   sq_y = |Y|_F^2,   per_row = sum_i |x_i|^2 |y_i|^2,   xty = |X^T Y|_F^2.
+
+**The paper's estimators** (as the authors' code computes them):
+
+    D2_SGD = B/(B-1) * per_row - xty/(B-1)     (d2_sgd; B/(B-1) sum_i |x_i y_i^T - G/B|^2)
+    D2_RMM = (sq_x * sq_y - xty) / k           (d2_rmm)
+    alpha  = xty / (sq_x * sq_y)               (alpha)
+    ratio  = k/(B-1) * D2_RMM / D2_SGD = (sq_x sq_y - xty) / (B per_row - xty)     (Figure 4)
+
+``D2_RMM`` is the variance of an idealized sketch. **The exact variance**
+``V = E|X^T S S^T Y - G|_F^2`` of each kind in :data:`~sketchprop.SKETCHES` has a closed form
+(:func:`expected_variance`):
+
+- ``gaussian`` (i.i.d. ``N(0, 1/k)``): ``V = (sq_x sq_y + xty) / k`` (a *plus* where D2_RMM has
+  a minus; Isserlis)
+- ``rademacher`` (i.i.d. ``+-1/sqrt k``): ``V = (sq_x sq_y + xty - 2 per_row) / k``
+- ``rowsample`` (``k`` of ``B`` rows uniformly without replacement, scaled ``B/k``; the finite-
+  population variance of a sample sum):
+  ``V = B (B-k) / (k (B-1)) * (per_row - xty/B) = (B-k)/k * D2_SGD``
+- ``dct``, ``dft`` and ``blocksrht`` (random signs ``D``, a real orthonormal transform ``T``, then
+  ``k`` of the ``n`` transformed rows sampled without replacement, scaled ``sqrt(n/k)``). Given
+  ``D`` this is row sampling of ``TDX`` and ``TDY``, whose product is still ``G``, so
+  ``V = n (n-k) / (k (n-1)) * (E_D[Q] - xty/n)`` with ``Q = sum_r |(TDX)_r|^2 |(TDY)_r|^2``. With
+  ``H = W^T W``, ``W = T o T`` (entrywise squares), the sign moments ``E[d_i d_j d_k d_l]`` give
+
+      E_D[Q] = px^T H py + 2 sum_{i != j} H_ij (x_i . x_j)(y_i . y_j)   (px_i = |x_i|^2, ...)
+
+  For ``blocksrht`` (``n`` = rows padded to whole blocks of size ``b``) ``H`` is block diagonal with
+  entries ``1/b``, so ``E_D[Q] = (1/b) sum_blocks [Px Py + 2 (|X_blk^T Y_blk|^2 - per_row_blk)]``,
+  which costs ``O(B b (N_in + N_out))``; block 1 is ``rowsample``. For ``dct``/``dft`` ``H`` is
+  formed from the transform itself: ``O(B^2)`` memory, ``O(B^2 (N_in + N_out))`` time (a
+  reference, not for the training loop). A full-length Hadamard (``H = 11^T/n``) would give
+  ``(n-k)/(n-1)`` times the Rademacher variance.
+- ``exact``: ``V = 0``.
+
+**The memory-free online estimator** (:class:`VarianceTracker`). The forward keeps the ``B`` numbers
+``px`` (in float32) besides ``S^T X``; the backward has ``Y``, ``S^T Y``, ``S^T X`` and
+``dW^T = (S^T X)^T (S^T Y)``. From them, with ``sx_r``, ``sy_r`` the ``k`` sketched rows,
+
+    total = |dW|_F^2 = |X^T S S^T Y|_F^2,      diag = sum_r |sx_r|^2 |sy_r|^2,
+
+``sq_x``, ``sq_y``, ``per_row`` are exact, and ``xty`` is estimated without bias (a U-statistic over
+pairs of sketched rows; ``total - diag`` is the sum over pairs ``r != s``):
+
+- i.i.d. columns (``gaussian``, ``rademacher``): ``E[total] = xty + V`` and
+  ``E[diag] = V + xty/k``, so ``xty_hat = k/(k-1) (total - diag)``.
+- uniform sampling of ``k`` of ``n`` (transformed) rows without replacement (``rowsample``,
+  ``dct``, ``dft``, ``blocksrht`` with ``n`` the padded row count): given the signs, a pair of
+  population rows is in the sample with probability ``k(k-1)/(n(n-1))`` and a single row with
+  probability ``k/n``, so
+  ``E[total - diag] = n(k-1)/(k(n-1)) (xty - Q)`` and ``E[diag] = (n/k) Q``, and
+  ``xty_hat = k(n-1)/(n(k-1)) (total - diag) + (k/n) diag``. (Halves of such a sample are not
+  independent; this combination is exact instead.)
+- ``exact``: ``xty_hat = total``.
+
+In every case ``V_hat = total - xty_hat`` estimates the sketch's own variance without bias, and
+``D2_SGD``, ``D2_RMM`` and ``alpha`` (linear in ``xty``) are unbiased too; their ratio is a ratio of
+estimates (consistent, not unbiased). Needs ``k >= 2`` (else NaN). The cost per tracked backward
+is ``O(N_in N_out + B (N_in + N_out))`` flops and no device synchronisation: statistics stay on
+the device until :attr:`VarianceTracker.records` is read. Each tracked forward adds ``B`` float32
+numbers to the saved memory of the layer.
+
+The statistics follow the gradient the layer receives: with a loss scaler (fp16) ``D2`` values carry
+its square; ``alpha`` and the ratio do not. ``B`` is the number of rows the sketch covers (without
+padding rows under ``skip_padding``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .sketches import (
+    BlockSRHT,
+    Exact,
+    Gaussian,
+    Rademacher,
+    Sketch,
+    _Transform,
+    get_sketch,
+)
+
+__all__ = [
+    "d2_sgd",
+    "d2_rmm",
+    "alpha",
+    "normalized_ratio",
+    "batch_stats",
+    "expected_variance",
+    "monte_carlo_variance",
+    "sketch_samples",
+    "online_estimate",
+    "estimator_design",
+    "VarianceTracker",
+    "select_layers",
+    "track_variance",
+    "trackers",
+    "collect",
+    "VarianceCallback",  # noqa: F822 (built on first access, see __getattr__)
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's estimators on full X and Y.
+
+
+def _rows(a) -> Tensor:
+    a = torch.as_tensor(a)
+    return a.reshape(-1, a.shape[-1]).double()
+
+
+def batch_stats(x, y) -> dict[str, float]:
+    """``{b, sq_x, sq_y, per_row, xty}`` of rows ``x`` (``B x N_in``), ``y`` (``B x N_out``).
+
+    Computed in float64; inputs of more than two dimensions are flattened to rows.
+    """
+    x, y = _rows(x), _rows(y)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y need the same number of rows, got {x.shape[0]} and {y.shape[0]}")
+    px, py = x.square().sum(1), y.square().sum(1)
+    return {
+        "b": x.shape[0],
+        "sq_x": px.sum().item(),
+        "sq_y": py.sum().item(),
+        "per_row": (px * py).sum().item(),
+        "xty": (x.T @ y).square().sum().item(),
+    }
+
+
+def _d2_sgd(b, per_row, xty):
+    return (b * per_row - xty) / (b - 1) if b > 1 else math.nan
+
+
+def _d2_rmm(sq_x, sq_y, xty, k):
+    return (sq_x * sq_y - xty) / k
+
+
+def _alpha(sq_x, sq_y, xty):
+    den = sq_x * sq_y
+    return xty / den if den > 0 else math.nan
+
+
+def d2_sgd(x, y) -> float:
+    """``D2_SGD = B/(B-1) sum_k |x_k|^2 |y_k|^2 - |X^T Y|_F^2 / (B-1)`` (paper eq. 9)."""
+    s = batch_stats(x, y)
+    return _d2_sgd(s["b"], s["per_row"], s["xty"])
+
+
+def d2_rmm(x, y, b_proj: int) -> float:
+    """``D2_RMM = (|X|_F^2 |Y|_F^2 - |X^T Y|_F^2) / B_proj`` (paper eq. 11)."""
+    if int(b_proj) < 1:
+        raise ValueError(f"b_proj must be >= 1, got {b_proj!r}")
+    s = batch_stats(x, y)
+    return _d2_rmm(s["sq_x"], s["sq_y"], s["xty"], int(b_proj))
+
+
+def alpha(x, y) -> float:
+    """``alpha = |X^T Y|_F^2 / (|X|_F^2 |Y|_F^2)``, in [0, 1]."""
+    s = batch_stats(x, y)
+    return _alpha(s["sq_x"], s["sq_y"], s["xty"])
+
+
+def normalized_ratio(d2_rmm_value: float, d2_sgd_value: float, b: int, b_proj: int) -> float:
+    """Figure 4's ``B_proj / (B-1) * D2_RMM / D2_SGD`` (does not depend on ``B_proj``)."""
+    if b < 2 or d2_sgd_value == 0:
+        return math.nan
+    return b_proj / (b - 1) * d2_rmm_value / d2_sgd_value
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact expected variance of each sketch kind (the one place these formulas live; the
+# ``Sketch.expected_variance`` methods delegate here).
+
+
+def _sampling_factor(n: int, k: int) -> float:
+    return n * (n - k) / (k * (n - 1))
+
+
+def _blocksrht_variance(x: Tensor, y: Tensor, k: int, block: int) -> float:
+    n = x.shape[0]
+    n_pad = -(-n // block) * block
+    if k >= n_pad or n_pad < 2:
+        return 0.0
+    if n_pad > n:
+        x = torch.cat([x, x.new_zeros(n_pad - n, x.shape[1])])
+        y = torch.cat([y, y.new_zeros(n_pad - n, y.shape[1])])
+    xb, yb = x.reshape(-1, block, x.shape[1]), y.reshape(-1, block, y.shape[1])
+    px, py = xb.square().sum(-1), yb.square().sum(-1)  # (blocks, block)
+    per_row_blk = (px * py).sum(1)
+    xty_blk = torch.bmm(xb.transpose(1, 2), yb).square().sum((1, 2))
+    q = (px.sum(1) * py.sum(1) + 2 * (xty_blk - per_row_blk)).sum().item() / block
+    xty = (x.T @ y).square().sum().item()
+    return _sampling_factor(n_pad, k) * (q - xty / n_pad)
+
+
+def _transform_variance(x: Tensor, y: Tensor, k: int, t: Tensor) -> float:
+    """Signs, real orthonormal ``t`` (``n x n``), ``k`` rows sampled without replacement."""
+    n = x.shape[0]
+    if k >= n or n < 2:
+        return 0.0
+    w = t.double().square()
+    h = w.T @ w
+    px, py = x.square().sum(1), y.square().sum(1)
+    kxy = (x @ x.T) * (y @ y.T)
+    q = (px @ h @ py + 2 * ((h * kxy).sum() - (h.diagonal() * px * py).sum())).item()
+    xty = (x.T @ y).square().sum().item()
+    return _sampling_factor(n, k) * (q - xty / n)
+
+
+def expected_variance(sketch: str | Sketch, x, y, k: int) -> float | None:
+    """Exact ``E |X^T S S^T Y - X^T Y|_F^2`` for ``k = B_proj`` sketched rows, or None for a kind
+    without a closed form here. The formulas are in the module docstring."""
+    sk = get_sketch(sketch)
+    x, y = _rows(x), _rows(y)
+    k = int(k)
+    if isinstance(sk, Exact):
+        return 0.0
+    n = x.shape[0]
+    if isinstance(sk, (Gaussian, Rademacher)):
+        s = batch_stats(x, y)
+        v = s["sq_x"] * s["sq_y"] + s["xty"]
+        if isinstance(sk, Rademacher):
+            v -= 2 * s["per_row"]
+        return v / k
+    if isinstance(sk, BlockSRHT):
+        return _blocksrht_variance(x, y, k, sk.block)
+    if isinstance(sk, _Transform):
+        t = sk.transform(torch.eye(n, dtype=torch.float64, device=x.device))
+        return _transform_variance(x, y, k, t)
+    return None
+
+
+def sketch_samples(sketch: str | Sketch, x, y, k: int,
+                   seeds: Iterable[int]) -> tuple[Tensor, Tensor]:
+    """``S^T X`` and ``S^T Y`` for each seed, stacked: ``(seeds, k, N_in)``, ``(seeds, k, N_out)``.
+
+    One ``apply`` per seed on ``[X | Y]``, the same ``S`` for both, as the layer does.
+    """
+    sk = get_sketch(sketch)
+    x, y = _rows(x), _rows(y)
+    xy = torch.cat([x, y], 1)
+    out = torch.stack([sk.apply(xy, k, int(s)) for s in seeds]).double()
+    return out[..., : x.shape[1]], out[..., x.shape[1]:]
+
+
+def monte_carlo_variance(sketch: str | Sketch, x, y, k: int, samples: int = 2000,
+                         seed: int = 0) -> tuple[float, float]:
+    """Monte-Carlo ``E |X^T S S^T Y - X^T Y|_F^2`` over ``samples`` seeds: ``(mean, std. error)``.
+
+    Works for every kind, including any without a closed form.
+    """
+    sx, sy = sketch_samples(sketch, x, y, k, range(seed, seed + samples))
+    g = _rows(x).T @ _rows(y)
+    err = (sx.transpose(1, 2) @ sy - g).square().sum((1, 2))
+    return err.mean().item(), (err.std() / math.sqrt(samples)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# The online estimator.
+
+
+def estimator_design(sketch: Sketch, n: int, k: int) -> tuple[str, int]:
+    """How the sketch draws its ``k`` rows: ``("exact", n)``, ``("iid", n)`` or
+    ``("sampling", n_pop)`` (uniform without replacement from ``n_pop`` rows). ``ValueError`` for a
+    kind the online estimator does not cover."""
+    if sketch.exact:
+        return "exact", n
+    if isinstance(sketch, (Gaussian, Rademacher)):
+        return "iid", n
+    if isinstance(sketch, BlockSRHT):
+        return "sampling", -(-n // sketch.block) * sketch.block
+    if isinstance(sketch, _Transform):
+        return "sampling", n
+    raise ValueError(
+        f"variance tracking has no unbiased online estimator for sketch {sketch.name!r}; "
+        "it covers exact, gaussian, rademacher, dct, dft, blocksrht and rowsample"
+    )
+
+
+def online_estimate(sq_x, sq_y, per_row, total, diag, b: int, k: int, design: str,
+                    n_pop: int | None = None) -> dict[str, float]:
+    """Estimates from the memory-free statistics (see the module docstring).
+
+    Returns ``xty`` (unbiased ``|X^T Y|_F^2``), ``d2_sketch`` (unbiased variance of the sketch in
+    use), ``d2_sgd``, ``d2_rmm``, ``alpha`` and ``ratio``. Arguments may be floats or tensors
+    (elementwise).
+    """
+    n_pop = b if n_pop is None else n_pop
+    if design == "exact" or (design == "sampling" and k >= n_pop):
+        xty = total
+    elif k < 2:
+        xty = total * math.nan
+    elif design == "iid":
+        xty = k / (k - 1) * (total - diag)
+    elif design == "sampling":
+        xty = k * (n_pop - 1) / (n_pop * (k - 1)) * (total - diag) + k / n_pop * diag
+    else:
+        raise ValueError(f"unknown design {design!r}")
+    d2s = _d2_sgd(b, per_row, xty)
+    d2r = _d2_rmm(sq_x, sq_y, xty, k)
+    return {
+        "xty": xty,
+        "d2_sketch": total - xty,
+        "d2_sgd": d2s,
+        "d2_rmm": d2r,
+        "alpha": _div(xty, sq_x * sq_y),
+        "ratio": _div(sq_x * sq_y - xty, b * per_row - xty),
+    }
+
+
+def _div(a, b):
+    if isinstance(b, Tensor) or isinstance(a, Tensor):
+        return a / b
+    return a / b if b != 0 else math.nan
+
+
+def _sqnorm_rows(a: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(a, dim=1, dtype=torch.float32).square()
+
+
+_FIELDS = ("sq_x", "sq_y", "per_row", "total", "diag")
+
+
+class VarianceTracker:
+    """Per-step variance estimates of one :class:`~sketchprop.layers.RandomizedLinear`.
+
+    Attach with ``patch_linear(..., track_variance=...)`` or :func:`track_variance`. Hooks (called
+    by the layer and its autograd Function):
+
+    - ``forward(x2, rows, k, sketch) -> Tensor | None``: the ``B`` row norms to save for backward
+      (the Function saves them with ``save_for_backward``), or None to skip this call;
+    - ``backward(state, dy2, rows, sdy, sx, dw, sketch, k)``: record one step.
+
+    ``step`` is the training step to stamp records with (set by :class:`VarianceCallback`); while it
+    is None records are numbered by tracked backward calls. ``records`` is a list of dicts
+    ``{step, layer, d2_sgd, d2_rmm, ratio, alpha, d2_sketch, xty, b, b_proj, sketch}``.
+    """
+
+    def __init__(self, layer: str, enabled: bool = True):
+        self.layer = layer
+        self.enabled = enabled
+        self.step: int | None = None
+        self.calls = 0
+        self._pending: list[tuple[int, int, int, str, int, str, Tensor]] = []
+        self._records: list[dict] = []
+
+    def forward(self, x2: Tensor, rows: Tensor | None, k: int, sketch: Sketch) -> Tensor | None:
+        if not self.enabled:
+            return None
+        px = _sqnorm_rows(x2)
+        return px if rows is None else px.index_select(0, rows)
+
+    @torch.no_grad()
+    def backward(self, state: Tensor | None, dy2: Tensor, rows: Tensor | None, sdy: Tensor,
+                 sx: Tensor, dw: Tensor, sketch: Sketch, k: int) -> None:
+        if state is None:
+            return
+        py = _sqnorm_rows(dy2)
+        if rows is not None:
+            py = py.index_select(0, rows)
+        b = py.shape[0]
+        design, n_pop = estimator_design(sketch, b, k)
+        stats = torch.stack([
+            state.sum(),
+            py.sum(),
+            (state * py).sum(),
+            torch.linalg.vector_norm(dw, dtype=torch.float32).square(),
+            (_sqnorm_rows(sx) * _sqnorm_rows(sdy)).sum(),
+        ])
+        self.calls += 1
+        step = self.step if self.step is not None else self.calls
+        self._pending.append((step, b, k, design, n_pop, sketch.name, stats))
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        values = torch.stack([p[-1] for p in self._pending]).double().cpu().tolist()
+        for (step, b, k, design, n_pop, name, _), vals in zip(self._pending, values, strict=True):
+            raw = dict(zip(_FIELDS, vals, strict=True))
+            est = online_estimate(raw["sq_x"], raw["sq_y"], raw["per_row"], raw["total"],
+                                  raw["diag"], b, k, design, n_pop)
+            self._records.append({
+                "step": step, "layer": self.layer,
+                "d2_sgd": _finite(est["d2_sgd"]), "d2_rmm": _finite(est["d2_rmm"]),
+                "ratio": _finite(est["ratio"]), "alpha": _finite(est["alpha"]),
+                "d2_sketch": _finite(est["d2_sketch"]), "xty": _finite(est["xty"]),
+                "b": b, "b_proj": k, "sketch": name,
+            })
+        self._pending.clear()
+
+    @property
+    def records(self) -> list[dict]:
+        """All records so far (reading them moves the statistics to the CPU once)."""
+        self._flush()
+        return self._records
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self._records.clear()
+
+
+def _finite(v: float) -> float | None:
+    """JSON-safe: NaN and infinities become None."""
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Attaching, collecting, logging.
+
+
+def select_layers(names: Sequence[str], spec) -> list[str]:
+    """The names in ``names`` chosen by ``spec``: a regex (``re.search``), a list of exact names, or
+    True (all). ``ValueError`` names a bad regex, unknown names, or a spec that selects nothing."""
+    if spec is None or spec is False:
+        return []
+    if spec is True:
+        return list(names)
+    if isinstance(spec, str):
+        try:
+            pattern = re.compile(spec)
+        except re.error as err:
+            raise ValueError(f"track_variance is not a valid regex: {spec!r} ({err})") from None
+        chosen = [n for n in names if pattern.search(n)]
+        if not chosen:
+            raise ValueError(f"track_variance={spec!r} matches none of the patched layers")
+        return chosen
+    spec = list(spec)
+    unknown = [s for s in spec if s not in names]
+    if unknown:
+        raise ValueError(f"track_variance names layers that are not patched: {unknown}")
+    if not spec:
+        raise ValueError("track_variance is an empty list")
+    return [n for n in names if n in set(spec)]
+
+
+def _randomized(model: nn.Module) -> dict[str, nn.Module]:
+    from .layers import RandomizedLinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, RandomizedLinear)}
+
+
+def track_variance(model: nn.Module, spec=True) -> list[str]:
+    """Attach a :class:`VarianceTracker` to the patched layers of ``model`` that ``spec`` selects
+    (see :func:`select_layers`); returns their names. A layer already tracked keeps its tracker."""
+    layers = _randomized(model)
+    chosen = select_layers(list(layers), spec)
+    for name in chosen:
+        estimator_design(layers[name].sketch, 2, 1)  # raises for an unsupported kind
+        if layers[name].tracker is None:
+            layers[name].tracker = VarianceTracker(name)
+    return chosen
+
+
+def trackers(model: nn.Module) -> dict[str, VarianceTracker]:
+    """``{layer name: tracker}`` for every tracked layer of ``model``."""
+    return {n: m.tracker for n, m in _randomized(model).items()
+            if isinstance(m.tracker, VarianceTracker)}
+
+
+def collect(model: nn.Module) -> list[dict]:
+    """All variance records of ``model``'s tracked layers, ordered by step then module order."""
+    out = []
+    for tracker in trackers(model).values():
+        out.extend(tracker.records)
+    return sorted(out, key=lambda r: r["step"])  # stable: module order within a step
+
+
+class _VarianceCallback:
+    """HF ``Trainer`` callback for the variance trackers of a patched model.
+
+    - ``on_step_begin`` stamps every tracker with the step being computed (``global_step + 1``, the
+      step HF logs it under; gradient-accumulation micro-batches share it).
+    - ``on_log`` (main process): the records since the last log, averaged per layer, as
+      ``variance/<layer>/<field>`` for ``d2_sgd, d2_rmm, ratio, alpha``; sent to ``log_fn`` if
+      given, else to the active wandb run (with ``train/global_step``, as HF's WandbCallback
+      does), and kept in ``latest``.
+    - ``records`` (any time, e.g. after ``trainer.train()``): every record, for ``result.json``.
+
+    ``model`` may be given, or is taken from the Trainer's callback arguments. The class subclasses
+    ``transformers.TrainerCallback``; it is built on first access so that importing sketchprop does
+    not import transformers.
+    """
+
+    FIELDS = ("d2_sgd", "d2_rmm", "ratio", "alpha")
+
+    def __init__(self, model: nn.Module | None = None,
+                 log_fn: Callable[[dict], None] | None = None):
+        self.model = model
+        self.log_fn = log_fn
+        self.latest: dict[str, float] = {}
+        self._logged: dict[str, int] = {}
+
+    def _trackers(self, model=None) -> dict[str, VarianceTracker]:
+        if self.model is None and model is not None:
+            self.model = model
+        return trackers(self.model) if self.model is not None else {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        for tracker in self._trackers(model).values():
+            tracker.step = state.global_step + 1
+        return control
+
+    def on_log(self, args, state, control, model=None, logs=None, **kwargs):
+        new = []
+        for name, tracker in self._trackers(model).items():
+            records = tracker.records
+            new.extend(records[self._logged.get(name, 0):])
+            self._logged[name] = len(records)
+        if not new or not getattr(state, "is_world_process_zero", True):
+            return control
+        metrics = self.summarize(new)
+        self.latest = metrics
+        if self.log_fn is not None:
+            self.log_fn(dict(metrics))
+        else:
+            try:
+                import wandb
+            except ImportError:  # pragma: no cover
+                wandb = None
+            if wandb is not None and wandb.run is not None:
+                wandb.run.log({**metrics, "train/global_step": state.global_step})
+        return control
+
+    @classmethod
+    def summarize(cls, records: list[dict]) -> dict[str, float]:
+        """Per-layer means of ``FIELDS`` over ``records`` (None values skipped)."""
+        sums: dict[str, list[float]] = {}
+        for r in records:
+            for f in cls.FIELDS:
+                if r.get(f) is not None:
+                    sums.setdefault(f"variance/{r['layer']}/{f}", []).append(r[f])
+        return {key: sum(v) / len(v) for key, v in sums.items()}
+
+    @property
+    def records(self) -> list[dict]:
+        return collect(self.model) if self.model is not None else []
+
+
+_CALLBACK_CLASS: type | None = None
+
+
+def __getattr__(name: str):
+    if name == "VarianceCallback":
+        global _CALLBACK_CLASS
+        if _CALLBACK_CLASS is None:
+            try:
+                from transformers import TrainerCallback
+            except ImportError:  # pragma: no cover
+                TrainerCallback = object  # noqa: N806
+            _CALLBACK_CLASS = type("VarianceCallback", (_VarianceCallback, TrainerCallback),
+                                   {"__doc__": _VarianceCallback.__doc__, "__module__": __name__})
+        return _CALLBACK_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,381 @@
+"""Variance estimators: the paper's formulas, each sketch's exact variance, the online estimator.
+
+Statistical tests use fixed seeds and compare a Monte-Carlo mean over many sketches with the exact
+value, within ``Z`` Monte-Carlo standard errors (a false failure has probability ~1e-5 per check).
+Each also checks its own power: the likely mistakes (a flipped sign, a wrong scale, a wrong sampling
+model) lie at least ``2 Z`` standard errors away, so the test fails if one of them were implemented.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from sketchprop import SKETCHES, RandomizedLinear, patch_linear, unpatch_linear
+from sketchprop.layers import SketchContext
+from sketchprop.measure import SavedTensorMeter
+from sketchprop.variance import (
+    VarianceTracker,
+    alpha,
+    batch_stats,
+    collect,
+    d2_rmm,
+    d2_sgd,
+    estimator_design,
+    expected_variance,
+    normalized_ratio,
+    online_estimate,
+    sketch_samples,
+    track_variance,
+    trackers,
+)
+
+Z = 4.5
+B, N_IN, N_OUT, K = 21, 6, 5, 8  # B odd and not a multiple of the SRHT block: padding is exercised
+# I.i.d. sketches have heavier-tailed errors and cheaper draws: more samples for them.
+SAMPLES = {"gaussian": 20000, "rademacher": 20000}
+KINDS = [k for k in SKETCHES if k != "exact"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Thousands of tiny ops: one thread is several times faster than two on a shared machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_data(b=B, seed=0, dtype=torch.float64):
+    """Correlated X, Y (alpha ~ 0.25) with uneven row norms, so that every term of every formula
+    matters: xty (sign checks), per_row (Rademacher, sampling), row mixing (transforms)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(0.8 * torch.randn(b, 1, generator=g, dtype=torch.float64))
+    x = torch.randn(b, N_IN, generator=g, dtype=torch.float64) * scale
+    y = x @ torch.randn(N_IN, N_OUT, generator=g, dtype=torch.float64)
+    y = y + 0.5 * torch.randn(b, N_OUT, generator=g, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_data()
+
+
+@pytest.fixture(scope="module")
+def samples(data):
+    """``S^T X``, ``S^T Y`` for SAMPLES seeds of each kind, computed once."""
+    x, y = data
+    return {kind: sketch_samples(kind, x, y, K, range(SAMPLES.get(kind, 3000))) for kind in KINDS}
+
+
+def mean_se(v: torch.Tensor) -> tuple[float, float]:
+    return v.mean().item(), (v.std() / math.sqrt(v.numel())).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's estimators against definitions written out independently.
+
+
+def test_d2_sgd_is_the_sample_variance_of_per_example_gradients(data):
+    x, y = data
+    g = [torch.outer(x[i], y[i]) for i in range(B)]  # per-row weight gradients (transposed)
+    gbar = sum(g) / B
+    want = B / (B - 1) * sum((gi - gbar).square().sum() for gi in g).item()
+    assert d2_sgd(x, y) == pytest.approx(want, rel=1e-10)
+    # The paper's form, term by term.
+    per_row = sum(x[i].square().sum() * y[i].square().sum() for i in range(B)).item()
+    xty = (x.T @ y).square().sum().item()
+    assert d2_sgd(x, y) == pytest.approx(B / (B - 1) * per_row - xty / (B - 1), rel=1e-10)
+    # 3-D inputs are flattened to rows.
+    assert d2_sgd(x.reshape(3, 7, N_IN), y.reshape(3, 7, N_OUT)) == pytest.approx(d2_sgd(x, y))
+
+
+def test_d2_rmm_alpha_and_ratio_on_a_hand_example():
+    x = torch.tensor([[1.0, 2.0], [0.0, 1.0], [1.0, 0.0]])
+    y = torch.tensor([[1.0], [1.0], [-1.0]])
+    # |X|^2 = 7, |Y|^2 = 3, X^T Y = (0, 3) -> 9, per_row = 5 + 1 + 1 = 7.
+    assert d2_rmm(x, y, 2) == pytest.approx((7 * 3 - 9) / 2)
+    assert alpha(x, y) == pytest.approx(9 / 21)
+    assert d2_sgd(x, y) == pytest.approx((3 * 7 - 9) / 2)
+    r = normalized_ratio(d2_rmm(x, y, 2), d2_sgd(x, y), 3, 2)
+    assert r == pytest.approx(2 / 2 * 6 / 6) and r == pytest.approx((21 - 9) / (21 - 9))
+    assert batch_stats(x, y) == pytest.approx(
+        {"b": 3, "sq_x": 7, "sq_y": 3, "per_row": 7, "xty": 9})
+
+
+def test_alpha_extremes():
+    u = torch.randn(10, 1, dtype=torch.float64)
+    x = u @ torch.randn(1, 4, dtype=torch.float64)
+    y = u @ torch.randn(1, 3, dtype=torch.float64)
+    assert alpha(x, y) == pytest.approx(1.0)                       # rank one: X^T Y carries it all
+    y0 = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
+    x0 = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    assert alpha(x0, y0) == 0.0 and d2_rmm(x0, y0, 1) == pytest.approx(2 * 2)  # X^T Y = 0
+    with pytest.raises(ValueError, match="b_proj"):
+        d2_rmm(x0, y0, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact variance of each sketch kind against Monte Carlo.
+
+
+def _wrong_variances(kind, s, v):
+    """Closed forms one could plausibly get wrong, for the power check."""
+    b, k = s["b"], K
+    sxy, xty = s["sq_x"] * s["sq_y"], s["xty"]
+    if kind in ("gaussian", "rademacher"):
+        wrong = {"minus sign (paper's D2_RMM)": (sxy - xty) / k, "1/(k-1)": v * k / (k - 1)}
+        if kind == "rademacher":
+            wrong["gaussian form"] = (sxy + xty) / k
+        return wrong
+    n = -(-b // 8) * 8 if kind == "blocksrht" else b
+    return {
+        "with replacement": v * (n - 1) / (n - K),
+        "xty sign": v + 2 * n * (n - k) / (k * (n - 1)) * xty / n,
+        "gaussian form": (sxy + xty) / k,
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expected_variance_matches_monte_carlo(kind, data, samples):
+    x, y = data
+    sx, sy = samples[kind]
+    err = (sx.transpose(1, 2) @ sy - x.T @ y).square().sum((1, 2))
+    mc, se = mean_se(err)
+    v = expected_variance(kind, x, y, K)
+    assert v == pytest.approx(SKETCHES[kind].expected_variance(x, y, K))  # the method delegates
+    assert abs(mc - v) < Z * se, f"{kind}: Monte Carlo {mc:.5g} +- {se:.2g}, closed form {v:.5g}"
+    for what, w in _wrong_variances(kind, batch_stats(x, y), v).items():
+        assert abs(w - v) > 2 * Z * se, f"test has no power against {what}"
+
+
+def test_expected_variance_edge_cases(data):
+    x, y = data
+    assert expected_variance("exact", x, y, K) == 0.0
+    for kind in ("rowsample", "dct", "dft"):
+        assert expected_variance(kind, x, y, B) == 0.0          # every row kept: no variance
+    assert expected_variance("blocksrht", x, y, 24) == 0.0      # every padded row kept
+    # Sampling without replacement is (B-k)/k times D2_SGD.
+    assert expected_variance("rowsample", x, y, K) == pytest.approx((B - K) / K * d2_sgd(x, y))
+
+
+# ----------------------------------------------------------------------------------------------
+# The online estimator: unbiased for |X^T Y|^2, the sketch's variance, D2_SGD, D2_RMM and alpha.
+
+
+def _online(kind, x, y, sx, sy, design=None):
+    s = batch_stats(x, y)
+    total = (sx.transpose(1, 2) @ sy).square().sum((1, 2))
+    diag = (sx.square().sum(2) * sy.square().sum(2)).sum(1)
+    d, n_pop = design or estimator_design(SKETCHES[kind], B, K)
+    return online_estimate(s["sq_x"], s["sq_y"], s["per_row"], total, diag, B, K, d, n_pop)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_online_estimator_is_unbiased(kind, data, samples):
+    x, y = data
+    sx, sy = samples[kind]
+    est = _online(kind, x, y, sx, sy)
+    truth = {
+        "xty": batch_stats(x, y)["xty"],
+        "d2_sketch": expected_variance(kind, x, y, K),
+        "d2_sgd": d2_sgd(x, y),
+        "d2_rmm": d2_rmm(x, y, K),
+        "alpha": alpha(x, y),
+    }
+    for key, want in truth.items():
+        m, se = mean_se(est[key])
+        assert abs(m - want) < Z * se, f"{kind} {key}: {m:.5g} +- {se:.2g}, exact {want:.5g}"
+
+    # Power: the naive |dW|^2 for |X^T Y|^2, and the other sampling model, are both rejected.
+    xty, se = truth["xty"], mean_se(est["xty"])[1]
+    total = (sx.transpose(1, 2) @ sy).square().sum((1, 2))
+    assert abs(total.mean().item() - xty) > 2 * Z * se
+    design, n_pop = estimator_design(SKETCHES[kind], B, K)
+    other = ("sampling", B) if design == "iid" else ("iid", B)
+    m_other = _online(kind, x, y, sx, sy, design=other)["xty"].mean().item()
+    assert abs(m_other - xty) > 2 * Z * se, f"{kind}: the {other[0]} formula is not rejected"
+
+
+def test_online_estimator_exact_cases(data):
+    x, y = data
+    s = batch_stats(x, y)
+    # Exact layer: |dW|^2 is |X^T Y|^2 and there is no sketch variance.
+    est = online_estimate(s["sq_x"], s["sq_y"], s["per_row"], s["xty"], 0.0, B, B, "exact")
+    assert est["xty"] == s["xty"] and est["d2_sketch"] == 0.0
+    assert est["d2_sgd"] == pytest.approx(d2_sgd(x, y))
+    assert est["ratio"] == pytest.approx(
+        normalized_ratio(d2_rmm(x, y, B), d2_sgd(x, y), B, B))
+    # Sampling every row is exact too, whatever the diagonal.
+    est = online_estimate(s["sq_x"], s["sq_y"], s["per_row"], s["xty"], 123.0, B, B, "sampling", B)
+    assert est["xty"] == s["xty"]
+    # Fewer than two rows: no estimate.
+    assert math.isnan(online_estimate(1.0, 1.0, 1.0, 1.0, 1.0, B, 1, "iid")["xty"])
+
+
+def test_unsupported_kind_is_refused():
+    from sketchprop.sketches import Sketch
+
+    with pytest.raises(ValueError, match="no unbiased online estimator"):
+        estimator_design(Sketch(name="mystery"), 10, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the layer: hooks, padding rows, records.
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_tracker_is_unbiased_with_padding(kind):
+    x_real, y_real = make_data(b=17, seed=1, dtype=torch.float32)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask.view(-1)[torch.tensor([2, 9, 13, 20])] = False      # 4 padding rows out of 21
+    rows = mask.view(-1).nonzero().squeeze(1)
+    x = 10 * torch.randn(21, N_IN, generator=torch.Generator().manual_seed(2))  # junk on padding
+    x[rows] = x_real
+    dy = torch.zeros(21, N_OUT)                              # padding rows get no gradient
+    dy[rows] = y_real
+    x, dy = x.reshape(3, 7, N_IN), dy.reshape(3, 7, N_OUT)
+
+    ctx = SketchContext()
+    ctx.set_mask(mask)
+    layer = RandomizedLinear(N_IN, N_OUT, sketch=kind, rho=K / 17, min_rows=1, skip_padding=True,
+                             context=ctx)
+    layer.tracker = VarianceTracker("layer")
+    n = 1200
+    for _ in range(n):
+        (layer(x) * dy).sum().backward()
+    recs = layer.tracker.records
+    assert len(recs) == n and {r["b"] for r in recs} == {17} and {r["b_proj"] for r in recs} == {K}
+    assert [r["step"] for r in recs] == list(range(1, n + 1))
+
+    xr, yr = x_real.double(), y_real.double()
+    truth = {"d2_sketch": expected_variance(kind, xr, yr, K), "d2_sgd": d2_sgd(xr, yr),
+             "d2_rmm": d2_rmm(xr, yr, K), "xty": batch_stats(xr, yr)["xty"]}
+    for key, want in truth.items():
+        m, se = mean_se(torch.tensor([r[key] for r in recs], dtype=torch.float64))
+        msg = f"{kind} {key}: {m:.5g} +- {se:.2g}, exact {want:.5g}"
+        assert abs(m - want) < Z * se + 1e-5 * abs(want), msg  # float32 layer: 1e-5 rounding
+    for r in recs:
+        assert r["ratio"] == pytest.approx(
+            normalized_ratio(r["d2_rmm"], r["d2_sgd"], r["b"], r["b_proj"]), rel=1e-9)
+
+
+def test_exact_layer_records_equal_the_paper_functions():
+    x, y = make_data(b=12, seed=3, dtype=torch.float32)
+    layer = RandomizedLinear(N_IN, N_OUT, sketch="gaussian", rho=1.0)  # k = B: stores X, exact
+    layer.tracker = VarianceTracker("l")
+    (layer(x) * y).sum().backward()
+    (r,) = layer.tracker.records
+    xd, yd = x.double(), y.double()
+    assert r["sketch"] == "exact" and r["d2_sketch"] == pytest.approx(0.0, abs=1e-3)
+    assert r["d2_sgd"] == pytest.approx(d2_sgd(xd, yd), rel=1e-5)
+    assert r["d2_rmm"] == pytest.approx(d2_rmm(xd, yd, 12), rel=1e-5)
+    assert r["alpha"] == pytest.approx(alpha(xd, yd), rel=1e-5)
+    assert r["ratio"] == pytest.approx(12 / 11 * r["d2_rmm"] / r["d2_sgd"], rel=1e-9)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def test_tracking_adds_only_b_floats_of_saved_memory():
+    x = torch.randn(4, 16, 32)                 # B = 64 rows
+    saved = {}
+    for track in (None, r"^0$"):
+        model = _mlp()
+        patch_linear(model, sketch="gaussian", rho=0.25, skip_padding=False, track_variance=track)
+        with SavedTensorMeter(model) as meter:
+            out = model(x)
+        saved[track] = meter.bytes
+        out.square().sum().backward()
+    overhead = saved[r"^0$"] - saved[None]
+    assert overhead == 64 * 4                  # the B row norms in float32, nothing else
+    sketch_bytes = 16 * 32 * 4                 # S^T X of the tracked layer: k=16 rows of 32
+    assert overhead <= sketch_bytes / 8
+
+
+def test_tracker_keeps_no_tensor_after_backward():
+    model = _mlp()
+    patch_linear(model, sketch="dct", rho=0.25, skip_padding=False, track_variance=True)
+    model(torch.randn(64, 32)).sum().backward()
+    for tracker in trackers(model).values():
+        (pending,) = tracker._pending
+        assert pending[-1].numel() == 5       # five scalars per step, not X, not the row norms
+
+
+def test_patch_linear_track_variance_selection_and_errors():
+    model = _mlp()
+    assert patch_linear(model, rho=0.5, track_variance=["2"], skip_padding=False) == ["0", "2"]
+    assert list(trackers(model)) == ["2"]
+    unpatch_linear(model)
+    for bad, match in [("(", "not a valid regex"), ("^9$", "matches none"),
+                       (["0", "nope"], "not patched"), ([], "empty")]:
+        with pytest.raises(ValueError, match=match):
+            patch_linear(model, rho=0.5, track_variance=bad)
+        assert not any(isinstance(m, RandomizedLinear) for m in model.modules())  # untouched
+    patch_linear(model, rho=0.5, skip_padding=False)
+    assert track_variance(model, r"^0$") == ["0"] and list(trackers(model)) == ["0"]
+
+
+def test_collect_records_and_callback():
+    from sketchprop.variance import VarianceCallback
+
+    model = _mlp()
+    patch_linear(model, sketch="rademacher", rho=0.5, skip_padding=False, track_variance=True)
+    logged = []
+    cb = VarianceCallback(log_fn=logged.append)
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    for step in range(4):
+        cb.on_step_begin(None, state, None, model=model)
+        for _ in range(2):                     # two micro-batches share a step
+            model(torch.randn(40, 32)).square().sum().backward()
+        state.global_step += 1
+        if step % 2 == 1:
+            cb.on_log(None, state, None, model=model, logs={"loss": 1.0})
+
+    recs = collect(model)
+    assert len(recs) == 16 and [r["step"] for r in recs] == sorted([1, 2, 3, 4] * 4)
+    assert {"step", "layer", "d2_sgd", "d2_rmm", "ratio"} <= set(recs[0])
+    assert cb.records == recs
+    json.dumps(recs)                           # JSON-ready for result.json
+    fields = ("d2_sgd", "d2_rmm", "ratio", "alpha")
+    assert len(logged) == 2
+    assert set(logged[1]) == {f"variance/{layer}/{f}" for layer in ("0", "2") for f in fields}
+    window = [r["ratio"] for r in recs if r["layer"] == "2" and r["step"] in (3, 4)]
+    assert logged[1]["variance/2/ratio"] == pytest.approx(sum(window) / len(window))
+    cb.on_log(None, state, None, model=model, logs={})   # nothing new: nothing logged
+    assert len(logged) == 2
+
+
+def test_callback_in_a_real_trainer(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from sketchprop.variance import VarianceCallback
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _mlp()
+
+        def forward(self, x, labels):
+            return {"loss": (self.body(x).sum(-1) - labels).square().mean()}
+
+    model = Toy()
+    patch_linear(model, rho=0.5, skip_padding=False, track_variance=r"body\.0")
+    data = [{"x": torch.randn(8, 32), "labels": torch.randn(8)} for _ in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                             logging_steps=2, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    logged = []
+    cb = VarianceCallback(log_fn=logged.append)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    assert [r["step"] for r in cb.records] == [1, 2, 3, 4]
+    assert {r["layer"] for r in cb.records} == {"body.0"} and len(logged) == 2
