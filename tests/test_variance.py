@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -379,3 +380,44 @@ def test_callback_in_a_real_trainer(tmp_path):
     Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
     assert [r["step"] for r in cb.records] == [1, 2, 3, 4]
     assert {r["layer"] for r in cb.records} == {"body.0"} and len(logged) == 2
+
+
+def test_callback_attaches_trackers_itself():
+    from sketchprop.variance import VarianceCallback
+
+    model = _mlp()
+    patch_linear(model, rho=0.5, skip_padding=False)
+    cb = VarianceCallback(track=r"^2$")
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    cb.on_train_begin(None, state, None, model=model)
+    assert list(trackers(model)) == ["2"]
+    with pytest.raises(ValueError, match="matches none"):
+        VarianceCallback(track="nope").on_train_begin(None, state, None, model=model)
+
+
+def test_plot_script_on_synthetic_records(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "plot_variance", Path(__file__).resolve().parents[1] / "scripts" / "plot_variance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(0)
+    recs = []
+    for step in range(1, 61):
+        for layer in ("enc.6.dense", "enc.2.dense"):
+            sgd = float(1 + step / 30 + 0.1 * torch.rand((), generator=g))
+            rmm = sgd * 63 / 32 * float(1 + 0.2 * torch.randn((), generator=g))
+            recs.append({"step": step, "layer": layer, "d2_sgd": sgd, "d2_rmm": rmm,
+                         "ratio": 32 / 63 * rmm / sgd, "b": 64, "b_proj": 32})
+    recs[5]["ratio"] = None                      # a step without an estimate is skipped
+    run = tmp_path / "result.json"
+    run.write_text(json.dumps({"task": "cola", "sketch": "gaussian", "rho": 0.5, "variance": recs}))
+    out = tmp_path / "fig" / "figure4.png"
+    assert mod.main([str(run), "--out", str(out), "--window", "9"]) == 0
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    steps, ratio = mod.per_step(recs, "ratio")
+    assert len(steps) == 60 and abs(statistics.median(ratio) - 1) < 0.2
+    (tmp_path / "empty.json").write_text(json.dumps({"task": "cola"}))
+    assert mod.main([str(tmp_path / "empty.json"), "--out", str(out)]) == 1

@@ -486,7 +486,10 @@ class _VarianceCallback:
       does), and kept in ``latest``.
     - ``records`` (any time, e.g. after ``trainer.train()``): every record, for ``result.json``.
 
-    ``model`` may be given, or is taken from the Trainer's callback arguments. The class subclasses
+    ``track``: if given (a regex, a list of layer names, or True), ``on_train_begin`` attaches
+    trackers to those patched layers itself (:func:`track_variance`), so a pipeline need not pass
+    ``track_variance`` to ``patch_linear``. ``model`` may be given, or is taken from the Trainer's
+    callback arguments. The class subclasses
     ``transformers.TrainerCallback``; it is built on first access so that importing sketchprop does
     not import transformers.
     """
@@ -494,9 +497,10 @@ class _VarianceCallback:
     FIELDS = ("d2_sgd", "d2_rmm", "ratio", "alpha")
 
     def __init__(self, model: nn.Module | None = None,
-                 log_fn: Callable[[dict], None] | None = None):
+                 log_fn: Callable[[dict], None] | None = None, track=None):
         self.model = model
         self.log_fn = log_fn
+        self.track = track
         self.latest: dict[str, float] = {}
         self._logged: dict[str, int] = {}
 
@@ -504,6 +508,12 @@ class _VarianceCallback:
         if self.model is None and model is not None:
             self.model = model
         return trackers(self.model) if self.model is not None else {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._trackers(model)
+        if self.track is not None and self.model is not None:
+            track_variance(self.model, self.track)
+        return control
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         for tracker in self._trackers(model).values():
