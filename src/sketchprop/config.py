@@ -163,6 +163,7 @@ class TrainConfig:
     max_length: int = MISSING
     precision: Precision = Precision.fp32
     logging_steps: int = 50
+    checkpoint: bool = True  # save one every epoch (train.resume needs them); deleted at the end
     resume: bool = False  # continue from the last checkpoint of this run's checkpoint folder
 
     def __post_init__(self):

@@ -1,0 +1,490 @@
+"""Fine-tune a GLUE task with sketched linear layers: ``python -m sketchprop.train [overrides]``.
+
+    python -m sketchprop.train task=cola model=roberta-base method=gaussian method.rho=0.1
+    python -m sketchprop.train -m method.rho=0.5,0.2,0.1 task=cola,mrpc      # a sweep
+
+Each run writes ``result.json`` into its Hydra run folder and a copy to
+``<results_dir>/runs/<experiment>/<task>/<sketch>-rho<rho>-seed<seed>.json`` (the contract in
+DESIGN.md). A run whose JSON exists is skipped unless ``overwrite=true``; ``train.resume=true``
+continues an interrupted run from its last checkpoint (kept under ``checkpoints_dir`` until the run
+finishes). Under ``torchrun`` every rank trains and only rank 0 writes files.
+
+Everything that can fail cheaply (config values, an existing result, missing data, an unreachable
+hub) is checked before the first heavy import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from . import glue
+from .config import CONFIG_DIR, REPO_ROOT, Config, ConfigError, validate
+
+log = logging.getLogger(__name__)
+
+__all__ = ["main", "result_path", "run"]
+
+
+class RunError(RuntimeError):
+    """A run cannot start as configured; the message says why and how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Names and paths
+
+
+def _experiment(conf: Config) -> str:
+    if conf.experiment_name:
+        return conf.experiment_name
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices.get("experiment") or "default"
+    return "default"
+
+
+def _sketch_rho(conf: Config) -> tuple[str, float]:
+    sketch = conf.method.sketch.value
+    return (sketch, 1.0) if sketch == "exact" else (sketch, float(conf.method.rho))
+
+
+def _run_name(conf: Config) -> str:
+    sketch, rho = _sketch_rho(conf)
+    return f"{sketch}-rho{rho}-seed{conf.train.seed}"
+
+
+def result_path(conf: Config) -> Path:
+    """``<results_dir>/runs/<experiment>/<task>/<sketch>-rho<rho>-seed<seed>.json``."""
+    return (Path(conf.results_dir) / "runs" / _experiment(conf) / conf.task.name
+            / f"{_run_name(conf)}.json")
+
+
+def _checkpoint_dir(conf: Config) -> Path:
+    # Named by the run, not by the Hydra folder, so that rerunning the same command resumes it.
+    return (Path(conf.checkpoints_dir) / _experiment(conf) / conf.task.name / conf.model.name
+            / _run_name(conf))
+
+
+def _last_checkpoint(folder: Path) -> Path | None:
+    steps = [(int(p.name.split("-")[1]), p) for p in folder.glob("checkpoint-*")
+             if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return max(steps)[1] if steps else None
+
+
+def _remove_checkpoints(folder: Path, root: Path) -> None:
+    """Delete a run's checkpoint folder and the parents it leaves empty, up to ``root``."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    for parent in folder.parents:
+        if parent == root or root not in parent.parents or not parent.is_dir():
+            break
+        if any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+def _finite(value):
+    """``value`` with NaN and infinities replaced by None, so that the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write atomically: a reader sees the old file or the complete new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _git_commit() -> tuple[str | None, bool | None]:
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before any heavy work
+
+
+def _check_previous(conf: Config, path: Path, ckpt_dir: Path) -> bool:
+    """True when the run is already done (skip it). Raises when rerunning would lose work."""
+    if path.exists() and not conf.overwrite:
+        try:
+            done = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise RunError(f"{path} exists but is not a readable result: remove it, or rerun with "
+                           "overwrite=true") from None
+        if done.get("model") != conf.model.name:
+            raise RunError(
+                f"{path} holds a run of model {done.get('model')!r}, not {conf.model.name!r}. "
+                f"Result files are named without the model: give this run its own "
+                f"experiment_name=..., or replace the file with overwrite=true")
+        return True
+    last = _last_checkpoint(ckpt_dir)
+    if last is not None and not conf.train.resume and not conf.overwrite:
+        raise RunError(f"{ckpt_dir} holds checkpoints of an interrupted run ({last.name}): "
+                       "train.resume=true continues it, overwrite=true starts over")
+    return False
+
+
+def _check_sources(conf: Config) -> Path | None:
+    """Find the data and the model, or fail fast; switch the HF libraries to their caches when
+    the hub is needed but unreachable. Returns the local GLUE folder (None: the hub)."""
+    glue_dir = glue.resolve_glue_dir(conf.data.glue_dir)
+    if glue_dir is not None:
+        glue.check_local(conf.task, glue_dir)
+    path = conf.model.name_or_path
+    model_from_hub = path is not None and not Path(path).expanduser().is_dir()
+    if (glue_dir is None or model_from_hub) and not glue.hub_reachable():
+        log.warning("Hugging Face hub unreachable: using the local cache only")
+        glue.use_hub_cache_only()
+        if model_from_hub:
+            from huggingface_hub import try_to_load_from_cache
+
+            if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+                raise RunError(
+                    f"model {path!r} is neither a local folder nor in the Hugging Face cache, and "
+                    f"the hub is unreachable. Fix it either way: run with network access once to "
+                    f"download it, or use a model that works offline (model=minilm, "
+                    f"model=tiny-roberta, or model.name_or_path=/path/to/a/saved/model)")
+    return glue_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+def _word_tokenizer(texts, vocab_size: int):
+    """A RoBERTa-style word-level tokenizer learned from ``texts`` (no download)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # RoBERTa's special-token ids: <s>=0, <pad>=1, </s>=2, <unk>=3.
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=vocab_size,
+                                                             special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", cls_token="<s>", sep_token="</s>", mask_token="<mask>",
+        model_input_names=["input_ids", "attention_mask"])
+
+
+def build_model(conf: Config, train_split):
+    """The tokenizer and ``AutoModelForSequenceClassification`` with a fresh head for the task."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, RobertaConfig
+
+    task = conf.task
+    labels = {} if task.regression else {
+        "id2label": dict(enumerate(task.labels)),
+        "label2id": {name: i for i, name in enumerate(task.labels)}}
+    head = dict(num_labels=len(task.labels), **labels,
+                problem_type="regression" if task.regression else "single_label_classification")
+    if conf.model.random is not None:
+        arch = conf.model.random
+        texts = (text for column in task.text_columns for text in train_split[column])
+        tokenizer = _word_tokenizer(texts, arch.vocab_size)
+        config = RobertaConfig(
+            vocab_size=len(tokenizer), hidden_size=arch.hidden_size,
+            num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+            intermediate_size=arch.intermediate_size, type_vocab_size=1,
+            max_position_embeddings=conf.train.max_length + 2,  # RoBERTa offsets positions by 2
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, **head)
+        return tokenizer, AutoModelForSequenceClassification.from_config(config)
+    path = str(Path(conf.model.name_or_path).expanduser())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer, AutoModelForSequenceClassification.from_pretrained(path, **head)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer pieces
+
+
+def _history_callback():
+    from transformers import TrainerCallback
+
+    class EpochLogs(TrainerCallback):
+        """Log at every epoch end, so the per-epoch train loss can be read from the log history,
+        and stop on a non-finite loss. Remembers the token count where this session started."""
+
+        tokens_at_start = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.tokens_at_start = state.num_input_tokens_seen
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            control.should_log = True
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            loss = (logs or {}).get("loss")
+            if loss is not None and not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"training loss is {loss} at step {state.global_step} (epoch "
+                    f"{state.epoch:.2f}); the run stops here and writes no result. Try a lower "
+                    f"train.learning_rate or train.precision=fp32")
+
+    return EpochLogs()
+
+
+def _history(log_history: list[dict], conf: Config) -> list[dict]:
+    """Per evaluation (each epoch end): the dev metrics, named as in the paper, and the mean
+    training loss since the previous evaluation."""
+    evals: dict[int, dict] = {}
+    losses: list[tuple[int, float, int]] = []  # (step, loss, steps it averages)
+    last_step = 0
+    for entry in log_history:
+        step = entry["step"]
+        if "loss" in entry:
+            losses.append((step, entry["loss"], step - last_step))
+            last_step = step
+        for dev in conf.task.dev:
+            prefix = f"eval_{dev.split}_"
+            for metric in conf.task.metrics:
+                key = prefix + metric.value
+                if key in entry:
+                    record = evals.setdefault(step, {"epoch": round(entry["epoch"], 4),
+                                                     "step": step})
+                    record[metric.value + dev.suffix] = entry[key]
+            if prefix + "loss" in entry:
+                record = evals.setdefault(step, {"epoch": round(entry["epoch"], 4), "step": step})
+                record["eval_loss" + dev.suffix] = entry[prefix + "loss"]
+    history, previous = [], 0
+    for step in sorted(evals):
+        window = [(loss, n) for s, loss, n in losses if previous < s <= step]
+        total = sum(n for _, n in window)
+        evals[step]["train_loss"] = sum(loss * n for loss, n in window) / total if total else None
+        history.append(evals[step])
+        previous = step
+    return history
+
+
+def _metric_names(conf: Config) -> list[str]:
+    return [m.value + d.suffix for d in conf.task.dev for m in conf.task.metrics]
+
+
+def _saved_activation_bytes(model, collator, train_split, batch_size: int, device, autocast) -> int:
+    """Bytes autograd saves for backward in one training forward on the first training batch."""
+    import torch
+
+    from .measure import SavedTensorMeter
+
+    batch = collator([train_split[i] for i in range(min(batch_size, len(train_split)))])
+    batch = {k: v.to(device) for k, v in batch.items()}
+    was_training = model.training
+    model.train()
+    # Dropout draws from the global RNG: leave its state as training will find it.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast, SavedTensorMeter(model) as meter:
+            model(**batch)  # the batch has labels: the loss is part of the graph
+    model.train(was_training)
+    return meter.bytes
+
+
+def _wandb_init(conf: Config, cfg: DictConfig, output_dir: Path):
+    import wandb
+
+    group = "default"
+    if HydraConfig.initialized():  # the overrides less the seed (hydra.job.config.override_dirname)
+        group = HydraConfig.get().job.override_dirname or "default"
+    sketch, rho = _sketch_rho(conf)
+    return wandb.init(
+        project=conf.logger.project, entity=conf.logger.entity, mode=conf.logger.mode.value,
+        group=f"{_experiment(conf)}/{group}", name=f"{conf.task.name}-{_run_name(conf)}",
+        dir=str(output_dir), tags=[conf.task.name, conf.model.name, sketch, f"rho{rho}"],
+        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=()) -> dict | None:
+    """Train and evaluate one configuration; returns the result (None when skipped).
+
+    ``output_dir`` is the run folder (default: Hydra's). ``callbacks`` are extra HF
+    ``TrainerCallback`` objects (tests use them to interrupt a run).
+    """
+    start = time.time()
+    conf = validate(cfg)
+    if output_dir is None:
+        output_dir = HydraConfig.get().runtime.output_dir
+    output_dir = Path(output_dir)
+    path, ckpt_dir = result_path(conf), _checkpoint_dir(conf)
+    if _check_previous(conf, path, ckpt_dir):
+        print(f"skip: {path} exists (overwrite=true reruns it)", flush=True)
+        log.info("skip: %s exists", path)
+        return None
+    glue_dir = _check_sources(conf)
+    raw = glue.load_glue(conf.task, glue_dir, conf.data.max_train_samples,
+                         conf.data.max_eval_samples)
+
+    import torch
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
+
+    from . import measure, patch_linear
+
+    tc, sketch_name = conf.train, conf.method.sketch.value
+    args = TrainingArguments(
+        output_dir=str(ckpt_dir),
+        per_device_train_batch_size=tc.batch_size,
+        per_device_eval_batch_size=tc.eval_batch_size,
+        learning_rate=tc.learning_rate,
+        weight_decay=tc.weight_decay,
+        adam_beta1=tc.adam_beta1,
+        adam_beta2=tc.adam_beta2,
+        adam_epsilon=tc.adam_epsilon,
+        lr_scheduler_type=tc.lr_scheduler,
+        warmup_steps=tc.warmup_ratio,  # a value below 1 is a fraction of the training steps
+        num_train_epochs=tc.epochs,
+        max_steps=tc.max_steps,
+        eval_strategy="epoch",
+        save_strategy="epoch" if tc.checkpoint else "no",
+        save_total_limit=1,
+        logging_strategy="steps",
+        logging_steps=tc.logging_steps,
+        logging_nan_inf_filter=False,  # a NaN loss must reach the log, where it stops the run
+        include_num_input_tokens_seen="non_padding",
+        bf16=tc.precision.value == "bf16",
+        fp16=tc.precision.value == "fp16",
+        seed=tc.seed,
+        report_to=["wandb"] if conf.logger.name == "wandb" else "none",
+        run_name=f"{conf.task.name}-{_run_name(conf)}",
+        dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # also what makes torchrun on CPUs use DDP (gloo)
+        ddp_find_unused_parameters=False,  # every parameter of these models gets a gradient
+    )
+    if conf.overwrite and args.process_index == 0:
+        _remove_checkpoints(ckpt_dir, Path(conf.checkpoints_dir))
+    resume_from = _last_checkpoint(ckpt_dir) if tc.resume else None
+    if tc.resume and resume_from is None:
+        log.info("train.resume: no checkpoint in %s, starting from scratch", ckpt_dir)
+
+    with args.main_process_first(desc="tokenize"):
+        set_seed(tc.seed)  # the new classifier head (or the whole random model) starts the same
+        tokenizer, model = build_model(conf, raw["train"])
+        data = glue.tokenize(raw, tokenizer, conf.task, tc.max_length)
+    patched = []
+    if sketch_name != "exact":
+        m = conf.method
+        patched = patch_linear(model, sketch=sketch_name, rho=m.rho, targets=m.targets,
+                               exclude=m.exclude, share_inputs=m.share_inputs,
+                               skip_padding=m.skip_padding, min_rows=m.min_rows, seed=tc.seed)
+    log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
+             sketch_name, conf.method.rho)
+
+    wandb_run = None
+    if conf.logger.name == "wandb" and args.process_index == 0:
+        wandb_run = _wandb_init(conf, cfg, output_dir)
+    collator = DataCollatorWithPadding(tokenizer)
+    epoch_logs = _history_callback()
+    trainer = Trainer(
+        model=model, args=args, data_collator=collator, processing_class=tokenizer,
+        train_dataset=data["train"], eval_dataset={d.split: data[d.split] for d in conf.task.dev},
+        compute_metrics=glue.compute_metrics(conf.task), callbacks=[epoch_logs, *callbacks])
+    device = args.device
+    measure.reset_peak_memory(device)
+    try:
+        out = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        peak = measure.peak_memory_bytes(device)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16 if tc.precision.value == "bf16"
+                                  else torch.float16, enabled=tc.precision.value != "fp32")
+        saved = _saved_activation_bytes(model, collator, data["train"], tc.batch_size, device,
+                                        autocast)
+        history = _history(trainer.state.log_history, conf)
+        if not history:
+            raise RunError("training ended without an evaluation; nothing to report")
+        paper_metric = _metric_names(conf)[0]
+        best = max(history, key=lambda h: -math.inf if h.get(paper_metric) is None
+                   else h[paper_metric])
+        runtime = out.metrics["train_runtime"]
+        tokens = trainer.state.num_input_tokens_seen - epoch_logs.tokens_at_start
+        sketch, rho = _sketch_rho(conf)
+        commit, dirty = _git_commit()
+        result = {
+            "task": conf.task.name,
+            "model": conf.model.name,
+            "sketch": sketch,
+            "rho": rho,
+            "seed": tc.seed,
+            "epochs": round(trainer.state.epoch, 4),
+            "metrics": {k: history[-1].get(k) for k in _metric_names(conf)},
+            "best_metrics": {"epoch": best["epoch"],
+                             **{k: best.get(k) for k in _metric_names(conf)}},
+            "history": history,
+            "train_samples_per_second": out.metrics["train_samples_per_second"],
+            "tokens_per_second": tokens / runtime if runtime > 0 else None,
+            "peak_memory_bytes": peak,
+            "saved_activation_bytes": saved,
+            "device": (f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+                       else device.type),
+            "world_size": args.world_size,
+            "torch_version": torch.__version__,
+            "git_commit": commit,
+            "git_dirty": dirty,
+            "wall_seconds": None,  # set just before writing
+            "experiment": _experiment(conf),
+            "train_loss": out.metrics.get("train_loss"),
+            "train_runtime": runtime,
+            "global_step": trainer.state.global_step,
+            "patched_layers": len(patched),
+            "resumed_from_checkpoint": str(resume_from) if resume_from else None,
+            "run_dir": str(output_dir.resolve()),
+            "command": shlex.join(sys.orig_argv),
+            "overrides": (list(HydraConfig.get().overrides.task) if HydraConfig.initialized()
+                          else None),
+            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        }
+        if trainer.is_world_process_zero():
+            result["wall_seconds"] = time.time() - start
+            _write_json(output_dir / "result.json", result)
+            _write_json(path, result)
+            _remove_checkpoints(ckpt_dir, Path(conf.checkpoints_dir))
+            log.info("result: %s %s", path, json.dumps(result["metrics"]))
+            if wandb_run is not None:
+                wandb_run.summary.update({f"final/{k}": v for k, v in result["metrics"].items()})
+        return result
+    finally:
+        if wandb_run is not None:
+            wandb_run.finish()
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """The Hydra entry point; expected failures exit with a one-paragraph message."""
+    try:
+        run(cfg)
+    except (ConfigError, RunError, glue.GlueDataError, FloatingPointError) as err:
+        log.error("%s", err)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
