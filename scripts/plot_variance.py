@@ -4,7 +4,8 @@ Reads the ``variance`` records (``sketchprop.variance.collect``) from one or mor
 (``result.json`` or ``results/runs/...json``: a dict with key ``variance``; a bare list of records
 also works) and draws, per tracked layer,
 
-- left: ``D2_SGD`` and ``D2_RMM`` (paper eqs. 9 and 11) on a log scale;
+- left: ``D2_SGD`` and ``D2_RMM`` (paper eqs. 9 and 11) on a log scale, and (dotted) the online
+  estimate of the sketch's own variance ``E|X^T S S^T Y - X^T Y|^2`` where the records have it;
 - right: the normalised ratio ``B_proj / (B-1) * D2_RMM / D2_SGD`` with a reference line at 1
   (the quantity the paper plots; it stays near 1 in the paper's CoLA run).
 
@@ -24,6 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+LABELS = {"d2_sgd": "$D^2_{SGD}$", "d2_rmm": "$D^2_{RMM}$", "d2_sketch": "sketch's own variance"}
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "figures" / "figure4_variance.png"
 
 
@@ -74,7 +76,7 @@ def plot(sources: list[tuple[list[dict], str]], out: str | Path = DEFAULT_OUT, w
         for layer, recs in by_layer.items():
             name = f"{label} {layer}".strip() if len(sources) > 1 else layer
             color = next(colors)
-            for field, style in (("d2_sgd", "-"), ("d2_rmm", "--")):
+            for field, style in (("d2_sgd", "-"), ("d2_rmm", "--"), ("d2_sketch", ":")):
                 steps, vals = per_step(recs, field)
                 pos = [(s, v) for s, v in zip(steps, vals, strict=True) if v > 0]
                 if not pos:
@@ -82,7 +84,7 @@ def plot(sources: list[tuple[list[dict], str]], out: str | Path = DEFAULT_OUT, w
                 s, v = zip(*pos, strict=True)
                 ax_d2.plot(s, v, style, color=color, alpha=0.25, lw=0.8)
                 ax_d2.plot(s, moving_median(list(v), window), style, color=color, lw=1.8,
-                           label=f"{'$D^2_{SGD}$' if field == 'd2_sgd' else '$D^2_{RMM}$'} {name}")
+                           label=f"{LABELS[field]} {name}")
             steps, ratio = per_step(recs, "ratio")
             if steps:
                 ax_ratio.plot(steps, ratio, color=color, alpha=0.25, lw=0.8)
@@ -93,7 +95,7 @@ def plot(sources: list[tuple[list[dict], str]], out: str | Path = DEFAULT_OUT, w
     ax_d2.set_yscale("log")
     ax_d2.set_xlabel("step")
     ax_d2.set_ylabel("variance estimate")
-    ax_d2.set_title("$D^2_{SGD}$ (eq. 9) and $D^2_{RMM}$ (eq. 11)")
+    ax_d2.set_title("$D^2_{SGD}$ (eq. 9), $D^2_{RMM}$ (eq. 11), sketch variance")
     ax_d2.legend(fontsize=7)
     ax_ratio.axhline(1.0, color="black", lw=1, ls=":", label="1")
     ax_ratio.set_xlabel("step")

@@ -309,6 +309,12 @@ def test_tracker_keeps_no_tensor_after_backward():
     for tracker in trackers(model).values():
         (pending,) = tracker._pending
         assert pending[-1].numel() == 5       # five scalars per step, not X, not the row norms
+    tracker = trackers(model)["0"]
+    tracker.FLUSH_EVERY = 3                   # long runs: pending statistics move to the CPU
+    for _ in range(3):
+        model(torch.randn(64, 32)).sum().backward()
+    assert len(tracker._pending) == 1 and len(tracker._records) == 3
+    assert len(tracker.records) == 4
 
 
 def test_patch_linear_track_variance_selection_and_errors():

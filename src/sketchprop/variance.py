@@ -345,6 +345,9 @@ class VarianceTracker:
     ``{step, layer, d2_sgd, d2_rmm, ratio, alpha, d2_sketch, xty, b, b_proj, sketch}``.
     """
 
+    #: pending per-step statistics are moved to the CPU (one synchronisation) this often
+    FLUSH_EVERY = 256
+
     def __init__(self, layer: str, enabled: bool = True):
         self.layer = layer
         self.enabled = enabled
@@ -379,6 +382,8 @@ class VarianceTracker:
         self.calls += 1
         step = self.step if self.step is not None else self.calls
         self._pending.append((step, b, k, design, n_pop, sketch.name, stats))
+        if len(self._pending) >= self.FLUSH_EVERY:  # bound the small device tensors kept
+            self._flush()
 
     def _flush(self) -> None:
         if not self._pending:
