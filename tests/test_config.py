@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from sketchprop import SKETCHES
 from sketchprop.config import CONFIG_DIR, ConfigError, _sweep_subdir, compose, validate
 
-GROUPS = ["task", "model", "method", "train", "logger", "experiment"]
+GROUPS = ["task", "model", "method", "scheme", "train", "logger", "experiment"]
 FILES = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
 
 
@@ -32,6 +32,7 @@ def test_groups_are_complete():
     assert stems["task"] == {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"}
     assert stems["model"] >= {"roberta-base", "minilm", "tiny-roberta"}
     assert stems["method"] == set(SKETCHES)
+    assert stems["scheme"] == {"ours", "paper"}
     assert stems["train"] >= {"paper", "cpu"}
     assert stems["logger"] == {"wandb", "none"}
     assert "smoke" in stems["experiment"]
@@ -46,7 +47,11 @@ def test_defaults_are_the_paper_setup():
     assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_epsilon) == (0.1, 0.9, 0.98, 1e-6)
     assert (t.lr_scheduler, t.warmup_ratio, t.epochs, t.max_length) == ("polynomial", 0.06, 10, 512)
     assert t.precision.value == "fp32"
-    assert conf.method.exclude is None  # the classifier head is patched, as in the paper
+    m = conf.method  # the default scheme is ours; scheme=paper is the authors' layout
+    assert (m.share_inputs, m.skip_padding, m.min_rows, m.exclude) == (True, True, 16, "classifier")
+    m = validate(compose(["scheme=paper", "method=dct", "method.rho=0.2"])).method
+    assert (m.share_inputs, m.skip_padding, m.min_rows, m.exclude) == (False, False, 3, None)
+    assert (m.sketch.value, m.rho) == ("dct", 0.2)
     assert conf.logger.name == "wandb" and conf.logger.mode.value == "offline"
     cpu = validate(compose(["train=cpu"])).train
     assert (cpu.epochs, cpu.max_length, cpu.weight_decay) == (3, 128, 0.1)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import TrainerCallback
 
 from sketchprop import glue
@@ -253,6 +254,18 @@ def test_existing_result_of_another_model_is_not_skipped_silently(tmp_path, glue
     path.write_text(json.dumps({"model": "roberta-base"}))
     with pytest.raises(RunError, match="experiment_name"):
         run(compose(overrides(tmp_path, glue_dir)), output_dir=tmp_path / "run")
+
+
+def test_existing_result_of_another_scheme_is_not_skipped_silently(tmp_path, glue_dir):
+    """Same file name (sketch, rho, seed), other patching layout: a different run."""
+    ours = compose(overrides(tmp_path, glue_dir))
+    path = result_path(validate(ours))
+    path.parent.mkdir(parents=True)
+    config = OmegaConf.to_container(ours, resolve=True, enum_to_str=True)
+    path.write_text(json.dumps({"model": "tiny-roberta", "config": config}))
+    assert run(compose(overrides(tmp_path, glue_dir)), output_dir=tmp_path / "run") is None
+    with pytest.raises(RunError, match="experiment_name"):
+        run(compose(overrides(tmp_path, glue_dir, "scheme=paper")), output_dir=tmp_path / "run")
 
 
 # ---------------------------------------------------------------------------------------------

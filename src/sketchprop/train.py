@@ -128,6 +128,11 @@ def _git_commit() -> tuple[str | None, bool | None]:
 # Checks before any heavy work
 
 
+def _method_settings(conf: Config) -> dict:
+    """The method config as result.json stores it (enums as strings)."""
+    return OmegaConf.to_container(OmegaConf.structured(conf.method), enum_to_str=True)
+
+
 def _check_previous(conf: Config, path: Path, ckpt_dir: Path) -> bool:
     """True when the run is already done (skip it). Raises when rerunning would lose work."""
     if path.exists() and not conf.overwrite:
@@ -136,11 +141,17 @@ def _check_previous(conf: Config, path: Path, ckpt_dir: Path) -> bool:
         except (OSError, ValueError):
             raise RunError(f"{path} exists but is not a readable result: remove it, or rerun with "
                            "overwrite=true") from None
-        if done.get("model") != conf.model.name:
+        # Result files are named by sketch, rho and seed only: the same name with another model or
+        # another patching layout (scheme=paper against ours) is a different run, not a done one.
+        method = {k: v for k, v in _method_settings(conf).items() if k != "rho"}
+        before = {k: v for k, v in (done.get("config") or {}).get("method", {}).items()
+                  if k != "rho"}
+        if done.get("model") != conf.model.name or (before and before != method):
             raise RunError(
-                f"{path} holds a run of model {done.get('model')!r}, not {conf.model.name!r}. "
-                f"Result files are named without the model: give this run its own "
-                f"experiment_name=..., or replace the file with overwrite=true")
+                f"{path} holds a run of model {done.get('model')!r} with method {before}, not "
+                f"{conf.model.name!r} with {method}. Result files are named by sketch, rho and "
+                f"seed only: give this run its own experiment_name=..., or replace the file with "
+                f"overwrite=true")
         return True
     last = _last_checkpoint(ckpt_dir)
     if last is not None and not conf.train.resume and not conf.overwrite:
