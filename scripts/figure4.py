@@ -41,8 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     from sketchprop import train
     from sketchprop.variance import VarianceCallback
 
+    overrides = list(args.overrides)
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    experiment = next((o.split("=", 1)[1] for o in overrides
+                       if o.split("=", 1)[0].lstrip("+") == "experiment"), None)
+    if experiment and "experiment_name" not in keys:
+        # Hydra's compose API does not tell train.run the experiment file: name the folder after it.
+        overrides.append(f"experiment_name={experiment}")
     with initialize_config_dir(str(train.CONFIG_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=args.overrides)
+        cfg = compose("config", overrides=overrides)
     conf = train.validate(cfg)
     path = train.result_path(conf)
     if path.exists() and not conf.overwrite:

@@ -68,7 +68,7 @@ def plot(sources: list[tuple[list[dict], str]], out: str | Path = DEFAULT_OUT, w
 
     fig, (ax_d2, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10)
-    summary = []
+    summary, styles = [], {}
     for records, label in sources:
         by_layer: dict[str, list[dict]] = defaultdict(list)
         for r in records:
@@ -83,8 +83,8 @@ def plot(sources: list[tuple[list[dict], str]], out: str | Path = DEFAULT_OUT, w
                     continue
                 s, v = zip(*pos, strict=True)
                 ax_d2.plot(s, v, style, color=color, alpha=0.25, lw=0.8)
-                ax_d2.plot(s, moving_median(list(v), window), style, color=color, lw=1.8,
-                           label=f"{LABELS[field]} {name}")
+                ax_d2.plot(s, moving_median(list(v), window), style, color=color, lw=1.8)
+                styles[field] = style
             steps, ratio = per_step(recs, "ratio")
             if steps:
                 ax_ratio.plot(steps, ratio, color=color, alpha=0.25, lw=0.8)
@@ -96,7 +96,9 @@ def plot(sources: list[tuple[list[dict], str]], out: str | Path = DEFAULT_OUT, w
     ax_d2.set_xlabel("step")
     ax_d2.set_ylabel("variance estimate")
     ax_d2.set_title("$D^2_{SGD}$ (eq. 9), $D^2_{RMM}$ (eq. 11), sketch variance")
-    ax_d2.legend(fontsize=7)
+    for field, style in styles.items():  # line styles here, layer colours on the right
+        ax_d2.plot([], [], style, color="gray", label=LABELS[field])
+    ax_d2.legend(fontsize=8)
     ax_ratio.axhline(1.0, color="black", lw=1, ls=":", label="1")
     ax_ratio.set_xlabel("step")
     ax_ratio.set_ylabel(r"$\frac{B_{proj}}{B-1}\,D^2_{RMM} / D^2_{SGD}$")

@@ -234,8 +234,20 @@ def expected_variance(sketch: str | Sketch, x, y, k: int) -> float | None:
     if isinstance(sk, BlockSRHT):
         return _blocksrht_variance(x, y, k, sk.block)
     if isinstance(sk, _Transform):
-        t = sk.transform(torch.eye(n, dtype=torch.float64, device=x.device))
-        return _transform_variance(x, y, k, t)
+        t = _transform_matrix(sk, n, x.device)
+        return None if t is None else _transform_variance(x, y, k, t)
+    return None
+
+
+def _transform_matrix(sk: Sketch, n: int, device) -> Tensor | None:
+    """The ``n x n`` orthonormal transform of a ``dct``/``dft`` sketch, read off the sketch itself
+    (applied to the identity with unit signs and every row kept)."""
+    eye = torch.eye(n, dtype=torch.float32, device=device)
+    if hasattr(sk, "transform_rows"):
+        ones = torch.ones(n, dtype=torch.float32, device=device)
+        return sk.transform_rows(eye, None, ones, torch.arange(n, device=device), 1.0).double()
+    if hasattr(sk, "transform"):
+        return sk.transform(eye).double()
     return None
 
 
