@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke
+.PHONY: help install test lint glue smoke table2 table4 figure4 figure4-cpu
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -43,3 +43,28 @@ smoke: install  ## tiny random RoBERTa end to end on toy GLUE files in a temp di
 	$(PY) -m sketchprop.train experiment=smoke data.glue_dir=$$tmp/glue hydra.run.dir=$$tmp/run \
 		results_dir=$$tmp/results checkpoints_dir=$$tmp/checkpoints $(ARGS) && \
 	echo "smoke: $$tmp/run/result.json"
+
+# ---------------------------------------------------------------------------------------------
+# The paper's tables and figures. Each runs resumable Hydra sweeps (finished runs are skipped);
+# the grids live in configs/experiment/, the Makefile only names the methods and rates.
+TRAIN := $(PY) -m sketchprop.train
+# The recommended sketch (results/bench/README.md says why).
+REC   ?= blocksrht
+
+table2: install  ## Table 2 at paper scale (GPU, hub): roberta-base, 9 tasks, exact and Gaussian at 0.5/0.2/0.1
+	$(TRAIN) -m experiment=table2 method=exact $(ARGS)
+	$(TRAIN) -m experiment=table2 method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
+	$(TRAIN) -m experiment=table2 method=$(REC) scheme=ours method.rho=0.1,0.2 $(ARGS)
+
+table4: install  ## Table 4 at paper scale (GPU, hub): CoLA, four sketches at 0.5/0.2/0.1
+	$(TRAIN) -m experiment=table4 method=exact $(ARGS)
+	$(TRAIN) -m experiment=table4 method=gaussian,rademacher,dct,dft method.rho=0.1,0.2,0.5 $(ARGS)
+	$(TRAIN) -m experiment=table4 method=$(REC) scheme=ours method.rho=0.1,0.2,0.5 $(ARGS)
+
+figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 during CoLA training
+	$(TRAIN) experiment=figure4 $(ARGS)
+	$(PY) scripts/plot_variance.py results/runs/figure4/cola/gaussian-rho0.5-seed1.json
+
+figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR), three layers tracked
+	$(TRAIN) experiment=figure4-minilm $(ARGS)
+	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1.json

@@ -204,6 +204,19 @@ def test_exact_method_is_unpatched_and_named_rho_1(tmp_path, glue_dir):
     assert (tmp_path / "results/runs/default/cola/exact-rho1.0-seed1.json").exists()
 
 
+def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
+    layer = r"layer\.1\.intermediate\.dense$"
+    result = run(compose(overrides(tmp_path, glue_dir, f"method.track_variance='{layer}'")),
+                 output_dir=tmp_path / "run")
+    records = result["variance"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert {r["layer"] for r in records} == {"roberta.encoder.layer.1.intermediate.dense"}
+    assert all(r["d2_sgd"] > 0 and r["d2_rmm"] > 0 and r["ratio"] > 0 for r in records)
+    saved = json.loads((tmp_path / "results/runs/default/cola/gaussian-rho0.1-seed1.json")
+                       .read_text())
+    assert saved["variance"] == records
+
+
 class Interrupt(Exception):
     pass
 

@@ -137,6 +137,9 @@ class MethodConfig:
     share_inputs: bool = True
     skip_padding: bool = True
     min_rows: int = DEFAULT_MIN_ROWS
+    # Regex on patched layer names whose D2_SGD / D2_RMM are recorded every step (result.json
+    # key "variance", wandb "variance/<layer>/..."); costs B floats of memory per tracked layer.
+    track_variance: str | None = None
 
     def __post_init__(self):
         _check(0.0 < self.rho <= 1.0, "method.rho", self.rho,

@@ -128,6 +128,23 @@ def _git_commit() -> tuple[str | None, bool | None]:
 # Checks before any heavy work
 
 
+def _hardware(device) -> str:
+    """What the numbers ran on: the GPU name, or the CPU model and the torch thread count."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
 def _method_settings(conf: Config) -> dict:
     """The method config as result.json stores it (enums as strings)."""
     return OmegaConf.to_container(OmegaConf.structured(conf.method), enum_to_str=True)
@@ -407,7 +424,8 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         m = conf.method
         patched = patch_linear(model, sketch=sketch_name, rho=m.rho, targets=m.targets,
                                exclude=m.exclude, share_inputs=m.share_inputs,
-                               skip_padding=m.skip_padding, min_rows=m.min_rows, seed=tc.seed)
+                               skip_padding=m.skip_padding, min_rows=m.min_rows, seed=tc.seed,
+                               track_variance=m.track_variance)
     log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
              sketch_name, conf.method.rho)
 
@@ -416,6 +434,10 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         wandb_run = _wandb_init(conf, cfg, output_dir)
     collator = DataCollatorWithPadding(tokenizer)
     epoch_logs = _history_callback()
+    if conf.method.track_variance and sketch_name != "exact":
+        from .variance import VarianceCallback
+
+        callbacks = [VarianceCallback(model=model), *callbacks]
     trainer = Trainer(
         model=model, args=args, data_collator=collator, processing_class=tokenizer,
         train_dataset=data["train"], eval_dataset={d.split: data[d.split] for d in conf.task.dev},
@@ -456,6 +478,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             "saved_activation_bytes": saved,
             "device": (f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
                        else device.type),
+            "hardware": _hardware(device),
             "world_size": args.world_size,
             "torch_version": torch.__version__,
             "git_commit": commit,
@@ -473,6 +496,10 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
                           else None),
             "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         }
+        if conf.method.track_variance and sketch_name != "exact":
+            from .variance import collect
+
+            result["variance"] = collect(model)
         if trainer.is_world_process_zero():
             result["wall_seconds"] = time.time() - start
             _write_json(output_dir / "result.json", result)
