@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table4 figure4 figure4-cpu
+.PHONY: help install test lint glue smoke table2 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -60,6 +60,22 @@ table4: install  ## Table 4 at paper scale (GPU, hub): CoLA, four sketches at 0.
 	$(TRAIN) -m experiment=table4 method=exact $(ARGS)
 	$(TRAIN) -m experiment=table4 method=gaussian,rademacher,dct,dft method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table4 method=$(REC) scheme=ours method.rho=0.1,0.2,0.5 $(ARGS)
+
+tune-cpu: install  ## CPU tables, step 1: the exact MiniLM on CoLA dev at three learning rates (GLUE_DIR)
+	$(TRAIN) -m experiment=tune_cpu $(ARGS)
+
+table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.5/0.2/0.1, REC 0.2/0.1, seeds (GLUE_DIR)
+	$(TRAIN) -m experiment=table2_cpu method=exact $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu method=$(REC) scheme=ours method.rho=0.1,0.2 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=exact train.seed=2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=gaussian method.rho=0.1 train.seed=2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=$(REC) scheme=ours method.rho=0.1 train.seed=2,3 $(ARGS)
+
+table4-cpu: install  ## Table 4 on this CPU: MiniLM on CoLA, five sketches at 0.5/0.2/0.1 (GLUE_DIR)
+	$(TRAIN) -m experiment=table4_cpu method=exact $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=gaussian,rademacher,dct,dft method.rho=0.1,0.2,0.5 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.1,0.2,0.5 $(ARGS)
 
 figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 during CoLA training
 	$(TRAIN) experiment=figure4 $(ARGS)
