@@ -57,6 +57,7 @@ def check_result(result, task, metric_names):
     assert result["train_samples_per_second"] > 0 and result["tokens_per_second"] > 0
     assert result["device"] == "cpu" and result["torch_version"] == torch.__version__
     assert result["config"]["task"]["name"] == task
+    assert result["loss_curve"] and all({"step", "loss"} <= set(e) for e in result["loss_curve"])
 
 
 # ---------------------------------------------------------------------------------------------

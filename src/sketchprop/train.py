@@ -472,6 +472,9 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             "best_metrics": {"epoch": best["epoch"],
                              **{k: best.get(k) for k in _metric_names(conf)}},
             "history": history,
+            # Train loss at every logging step (Figure 5 draws it against the per-epoch dev loss).
+            "loss_curve": [{"step": e["step"], "epoch": e.get("epoch"), "loss": _finite(e["loss"])}
+                           for e in trainer.state.log_history if "loss" in e and "step" in e],
             "train_samples_per_second": out.metrics["train_samples_per_second"],
             "tokens_per_second": tokens / runtime if runtime > 0 else None,
             "peak_memory_bytes": peak,
