@@ -152,7 +152,7 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     assert json.loads(copy.read_text()) == result
     check_result(result, "cola", ["matthews"])
     assert (result["sketch"], result["rho"], result["seed"]) == ("gaussian", 0.5, 1)
-    assert result["patched_layers"] == 14  # 2 layers x 6, plus the head's 2: like the paper
+    assert result["patched_layers"] == 12  # 2 layers x 6; scheme=ours leaves the head exact
     assert "sketchprop.train" in result["command"] and "method.rho=0.5" in result["overrides"]
     assert list((tmp_path / "run/wandb").glob("offline-run-*")), "wandb offline run missing"
     before = copy.read_bytes()
