@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu
+.PHONY: help install test lint glue smoke table2 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu tables
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -84,3 +84,6 @@ figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 dur
 figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR), three layers tracked
 	$(TRAIN) experiment=figure4-minilm $(ARGS)
 	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1.json
+
+tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files
+	$(PY) scripts/make_tables.py
