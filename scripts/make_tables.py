@@ -299,9 +299,9 @@ def figure5(runs: list[dict], experiment: str, out: Path) -> None:
     for r in sorted(runs, key=lambda r: -float(r["rho"])):
         label = "exact" if r["sketch"] == "exact" else f"rho={r['rho']:g}"
         curve = [(e["epoch"], e["loss"]) for e in r["loss_curve"] if e["loss"] is not None]
-        ax_t.plot(*zip(*curve), label=label)
+        ax_t.plot(*zip(*curve, strict=True), label=label)
         dev = [(h["epoch"], h["eval_loss"]) for h in r["history"] if h.get("eval_loss") is not None]
-        ax_d.plot(*zip(*dev), marker="o", label=label)
+        ax_d.plot(*zip(*dev, strict=True), marker="o", label=label)
     ax_t.set(title="train loss", xlabel="epoch", ylabel="cross-entropy")
     ax_d.set(title="dev loss", xlabel="epoch")
     ax_t.legend()
@@ -347,7 +347,7 @@ def figure3(memory_dir: Path, out: Path) -> None:
         return
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, sch in zip(axes, ("paper", "ours")):
+    for ax, sch in zip(axes, ("paper", "ours"), strict=True):
         pts = sorted(points, key=lambda p: p["batch_size"])
         xs = [p["batch_size"] for p in pts]
         ax.plot(xs, [p["exact"]["saved_activation_bytes"] / 2**30 for p in pts], marker="o",

@@ -193,7 +193,7 @@ def test_skip_padding_exact_sketch_gives_exact_gradient_and_fewer_rows():
     model = tiny_roberta()
     patch_linear(model, "exact", 1.0, exclude="classifier", skip_padding=True)
     model(**data).loss.backward()
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=n, rtol=1e-5, atol=1e-6)
     plain = tiny_roberta()
     patch_linear(plain, "exact", 1.0, exclude="classifier", skip_padding=False)

@@ -42,7 +42,8 @@ def write_runs(results: Path):
     runs += [fake_run("cola", "blocksrht", 0.1, 1, 48, 80, share=True)]
     runs += [fake_run("mrpc", "exact", 1.0, 1, 80, 100), fake_run("mrpc", "gaussian", 0.1, 1, 78, 110)]
     for r in runs:
-        path = results / "runs" / "minilm_cpu" / r["task"] / f"{r['sketch']}-rho{r['rho']}-seed{r['seed']}.json"
+        name = f"{r['sketch']}-rho{r['rho']}-seed{r['seed']}.json"
+        path = results / "runs" / "minilm_cpu" / r["task"] / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(r))
 
