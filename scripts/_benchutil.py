@@ -1,0 +1,231 @@
+"""Helpers shared by the benchmark scripts (torch only; no hydra, datasets or wandb).
+
+The scripts run from a checkout without installing the package
+(``PYTHONPATH=src python scripts/...``) or with an installed ``sketchprop``. This module puts
+``src/`` on the path when needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    try:
+        import sketchprop  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch  # noqa: E402
+
+RESULTS = ROOT / "results" / "bench"
+
+
+def parse_list(text: str, kind=str) -> list:
+    return [kind(v) for v in text.split(",") if v.strip()]
+
+
+def sketch_from_spec(spec: str) -> Sketch:
+    """A sketch by name, or ``blocksrht:B`` for a block-SRHT with block size ``B``."""
+    if ":" in spec:
+        name, arg = spec.split(":", 1)
+        if name != "blocksrht":
+            raise ValueError(f"only blocksrht takes a parameter, got {spec!r}")
+        return BlockSRHT(name=f"blocksrht:{int(arg)}", block=int(arg))
+    if spec not in SKETCHES:
+        raise ValueError(f"unknown sketch {spec!r}; choose one of {sorted(SKETCHES)} "
+                         "or blocksrht:B")
+    return SKETCHES[spec]
+
+
+def setup_device(name: str, threads: int | None) -> torch.device:
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda given but torch.cuda.is_available() is False")
+    return dev
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(dev: torch.device) -> dict:
+    env = {
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "device": str(dev),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "loadavg_start": [round(v, 2) for v in os.getloadavg()],
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], dev: torch.device, *, warmup: int,
+                      repeats: int, inner: int = 1, base: str | None = None, every: int = 2,
+                      on_round=None) -> dict:
+    """Time each function ``repeats`` times, interleaved round-robin, bracketed by a baseline.
+
+    Every function is first called ``warmup`` times. A round calls every function once, in an
+    order rotated from round to round, with the ``base`` function (default: the first) timed
+    before the first, after every ``every`` others and after the last. Each sample is the wall
+    time of ``inner`` calls divided by ``inner``, the device synchronized before and after.
+
+    Returns ``{"times": {name: [s, ...]}, "ratios": {name: [...]}}``: each ratio divides a sample by
+    the mean of the two baseline samples that bracket it, so a configuration is always compared
+    with the baseline measured seconds apart, under the same background load; on a shared
+    machine whose speed drifts this is far steadier than a ratio of separate medians.
+    """
+    base = base or next(iter(fns))
+    others = [n for n in fns if n != base]
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(dev)
+
+    def sample(fn) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync(dev)
+        return (time.perf_counter() - t0) / inner
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    ratios: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(repeats):
+        shift = r % len(others) if others else 0
+        order = others[shift:] + others[:shift]
+        prev = sample(fns[base])
+        times[base].append(prev)
+        pending: list[tuple[str, float]] = []
+        for i, name in enumerate(order):
+            pending.append((name, sample(fns[name])))
+            if len(pending) == every or i == len(order) - 1:
+                nxt = sample(fns[base])
+                times[base].append(nxt)
+                ref = 0.5 * (prev + nxt)
+                for n, t in pending:
+                    times[n].append(t)
+                    ratios[n].append(t / ref)
+                ratios[base].append(nxt / prev)
+                pending, prev = [], nxt
+        if on_round is not None:
+            on_round(r, times)
+    ratios[base] = [1.0] * len(times[base])
+    return {"times": times, "ratios": ratios}
+
+
+def ratio_stats(measured: dict, base: str) -> dict[str, dict]:
+    """Median time per configuration and its ratio to ``base``.
+
+    ``ratio``: the median of the bracketed per-sample ratios (see :func:`interleaved_times`);
+    ``ratio_of_medians``: the plain ratio of medians, for comparison.
+    """
+    times, ratios = measured["times"], measured["ratios"]
+    b = statistics.median(times[base])
+    out = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rs = ratios[name]
+        q = statistics.quantiles(rs, n=4) if len(rs) >= 2 else [rs[0]] * 3
+        out[name] = {
+            "median_s": med,
+            "ratio": statistics.median(rs),
+            "ratio_q1": q[0],
+            "ratio_q3": q[2],
+            "ratio_of_medians": med / b,
+            "samples_s": ts,
+            "ratios": rs,
+        }
+    return out
+
+
+def fmt_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
+    """A GitHub-markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    lines = []
+    if title:
+        lines += [f"**{title}**", ""]
+    lines.append("| " + " | ".join(headers) + " |")
+    lines.append("|" + "|".join("---" for _ in headers) + "|")
+    lines += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+def write_outputs(stem: str, payload: dict, tables: str, out_dir: str | os.PathLike | None) -> Path:
+    """Write ``<stem>.json`` (everything) and ``<stem>.md`` (the tables) atomically; print where."""
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    payload = dict(payload)
+    payload.setdefault("environment", {})["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    env = payload["environment"]
+    header = (
+        f"<!-- generated by: {env.get('command')} -->\n"
+        f"Device {env.get('device')} ({env.get('gpu') or env.get('cpu')}), "
+        f"torch {env.get('torch')}, "
+        f"{env.get('torch_threads')} torch threads, load average at start/end "
+        f"{env.get('loadavg_start')} / {env.get('loadavg_end')}, {env.get('time')}, "
+        f"commit {env.get('git_commit')}.\n\n"
+    )
+    for suffix, text in ((".json", json.dumps(payload, indent=1, default=str)),
+                         (".md", header + tables + "\n")):
+        path = out / f"{stem}{suffix}"
+        tmp = path.with_suffix(suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    print(f"\nwrote {out / stem}.json and .md")
+    return out / f"{stem}.json"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def r3(x: float) -> str:
+    return f"{x:.3f}"
