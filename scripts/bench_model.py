@@ -490,7 +490,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--task", default="MRPC", choices=sorted(TASKS))
     p.add_argument("--glue-dir", default=default_glue_dir())
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up rounds before timing (default 0 after the bytes part, which runs "
+                        "every method once, else 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=3, help="methods between baseline steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -502,9 +504,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.quick and args.child is None:
         args.batch, args.seq = min(args.batch, 4), min(args.seq, 32)
-        args.repeats, args.warmup = min(args.repeats, 1), min(args.warmup, 1)
+        args.repeats = min(args.repeats, 1)
     args.rho_list = bu.parse_list(args.rhos, float)
     args.part_list = bu.parse_list(args.parts)
+    if args.warmup is None:
+        args.warmup = 0 if "bytes" in args.part_list else 1
     if args.child is not None:
         memory_child(args)
         return

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The CPU runs behind results/bench/README.md, one after another; each stays under ~10 minutes on
+# two shared cores. Then the README's generated blocks are refreshed from the JSON files.
+#
+#   scripts/bench_all_cpu.sh                 # every run
+#   scripts/bench_all_cpu.sh layer variance  # only the named runs (names: see RUNS below)
+#   THREADS=2 scripts/bench_all_cpu.sh       # torch threads (default 1, see results/bench/README.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-.venv/bin/python}"
+T="${THREADS:-1}"
+LOGS="${LOG_DIR:-/tmp/sketchprop_bench_logs}"
+mkdir -p "$LOGS"
+
+declare -A RUNS=(
+    [layer]="scripts/bench_layer.py --threads $T"
+    [layer_t2]="scripts/bench_layer.py --threads 2 --shapes 768x3072 --rows 4096 --tag _t2"
+    [roberta_time]="scripts/bench_model.py --models roberta-base --methods exact,paper,ours --parts bytes,time --threads $T --tag _roberta_time"
+    [roberta_gauss]="scripts/bench_model.py --models roberta-base --methods exact,ours-gaussian,ours --parts bytes,time --threads $T --tag _roberta_gauss"
+    [roberta_ckpt]="scripts/bench_model.py --models roberta-base --methods exact,ckpt,ckpt+ours --parts bytes,time --threads $T --tag _roberta_ckpt"
+    [roberta_bytes]="scripts/bench_model.py --models roberta-base --methods exact,ckpt,paper,ours,ours-gaussian,ckpt+ours,ours-noshare,ours-noskip --parts bytes --threads $T --tag _roberta_bytes"
+    [roberta_memory]="scripts/bench_model.py --models roberta-base --methods exact,ckpt,paper,ours,ckpt+ours --parts memory --threads $T --tag _roberta_memory"
+    [minilm]="scripts/bench_model.py --models minilm --methods exact,ckpt,paper,ours,ours-gaussian,ckpt+ours,ours-noshare,ours-noskip --threads $T --repeats 5 --tag _minilm"
+    [overhead]="scripts/backward_overhead.py --threads $T"
+    [variance]="scripts/sketch_variance.py --threads $T --seeds 24"
+)
+ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_bytes roberta_memory minilm
+       overhead variance)
+if [[ $# -gt 0 ]]; then ORDER=("$@"); fi
+
+for name in "${ORDER[@]}"; do
+    [[ -n "${RUNS[$name]:-}" ]] || { echo "unknown run: $name (one of ${!RUNS[*]})" >&2; exit 2; }
+    echo "=== $name: $PY ${RUNS[$name]}   [load $(cut -d' ' -f1-3 /proc/loadavg)] $(date +%T)"
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    "$PY" ${RUNS[$name]} > "$LOGS/$name.txt" 2>&1 || { echo "failed: see $LOGS/$name.txt"; exit 1; }
+    echo "    done in $(($(date +%s) - start)) s"
+done
+"$PY" scripts/bench_report.py

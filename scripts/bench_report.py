@@ -1,0 +1,163 @@
+"""Fill the generated blocks of ``results/bench/README.md`` from the benchmark JSON files.
+
+The README's prose is written by hand; every number in it sits between markers
+``<!-- BEGIN name -->`` and ``<!-- END name -->`` and is regenerated here from the JSON files the
+benchmark scripts wrote (``results/bench/*.json``). Blocks:
+
+- ``runs``: each run's command, hardware, torch threads, load average at start and end, commit;
+- ``targets``: every target of issue 4 with the measured value, its margin and pass / miss;
+- ``<stem>``: the markdown tables of one run (``results/bench/<stem>.md``).
+
+    python scripts/bench_report.py            # rewrite results/bench/README.md in place
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+LAYER = "layer_cpu"
+# Model runs, in order of preference for the saved-bytes numbers (all runs measure them identically).
+MODEL_FILES = ("model_cpu_roberta_bytes", "model_cpu_roberta_time", "model_cpu_roberta_gauss",
+               "model_cpu_roberta_ckpt", "model_cpu_roberta_memory")
+OVERHEAD = "overhead_cpu"
+
+
+def load(d: Path, stem: str) -> dict | None:
+    p = d / f"{stem}.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def runs_block(d: Path) -> str:
+    rows = []
+    for p in sorted(d.glob("*.json")):
+        if "_quick" in p.stem:
+            continue
+        env = json.loads(p.read_text()).get("environment", {})
+        rows.append([f"`{p.stem}`", f"`{env.get('command', '')}`", env.get("cpu", ""),
+                     env.get("torch_threads", ""), env.get("loadavg_start", ""),
+                     env.get("loadavg_end", ""), env.get("time", ""), env.get("git_commit", "")])
+    return bu.fmt_table(["run", "command", "CPU", "threads", "load at start (1/5/15 min)",
+                         "load at end", "started", "commit"], rows)
+
+
+def _model_runs(d: Path, model: str) -> list[tuple[str, dict]]:
+    """``(stem, methods)`` of every model run of ``model``, in :data:`MODEL_FILES` order."""
+    out = []
+    for stem in MODEL_FILES:
+        data = load(d, stem)
+        for res in (data or {}).get("results", []):
+            if res["model"] == model:
+                out.append((stem, res["methods"]))
+    return out
+
+
+def _first(runs, *names, key):
+    """The first run holding ``key`` for every one of ``names``: ``(stem, [records])``."""
+    for stem, ms in runs:
+        if all(n in ms and key in ms[n] for n in names):
+            return stem, [ms[n] for n in names]
+    return None, None
+
+
+def targets_block(d: Path) -> str:
+    rows = []
+
+    def add(what, value, target, ok, where):
+        rows.append([what, value, target, "met" if ok else "**missed**", where])
+
+    layer = load(d, LAYER)
+    if layer:
+        from bench_layer import RECOMMENDED
+
+        rec = RECOMMENDED["cpu"]
+        for g in layer["groups"]:
+            if g["shape"] == "768x3072" and g["rows"] == 4096:
+                for rho, lim in ((0.1, 0.85), (0.5, 1.0)):
+                    c = g["configs"].get(f"{rec}@{rho:g}")
+                    if c:
+                        add(f"768->3072 layer, 4096 rows, fwd+bwd, {rec} rho {rho:g} / nn.Linear",
+                            bu.r3(c["ratio"]), f"<= {lim}", c["ratio"] <= lim, LAYER)
+    runs = _model_runs(d, "roberta-base")
+    if runs:
+        from bench_layer import RECOMMENDED
+
+        ours_name = f"ours-{RECOMMENDED['cpu']}"
+        for rho, lim in ((0.1, 0.88), (0.2, None), (0.5, 0.97)):
+            ours = f"{ours_name}@{rho:g}"
+            stem, recs = _first(runs, ours, key="time")
+            if recs and lim is not None:
+                r = recs[0]["time"]["ratio"]
+                add(f"roberta-base step 16x128, ours rho {rho:g} / exact", bu.r3(r), f"<= {lim}",
+                    r <= lim, stem)
+            for other in (f"paper@{rho:g}", f"ours-gaussian@{rho:g}"):
+                stem, recs = _first(runs, ours, other, key="time")
+                if recs:
+                    a, b = recs[0]["time"]["ratio"], recs[1]["time"]["ratio"]
+                    add(f"roberta-base step, ours rho {rho:g} faster than dense Gaussian "
+                        f"({other.split('@')[0]}), both / exact", f"{bu.r3(a)} vs {bu.r3(b)}",
+                        "ours < Gaussian", a < b, stem)
+            stem, recs = _first(runs, "exact", ours, key="saved_bytes")
+            if recs:
+                ex, o = recs
+                gap = 100 * (o["saved_bytes"] - o["analytic_limit_bytes"]) / ex["saved_bytes"]
+                add(f"saved bytes, ours rho {rho:g}: above the analytic limit by",
+                    f"{gap:+.1f} pp", "<= +3 pp", gap <= 3.0, stem)
+            stem, recs = _first(runs, "exact", ours, f"paper@{rho:g}", key="saved_bytes")
+            if recs:
+                ex, o, p = recs
+                add(f"saved bytes, ours rho {rho:g} below the paper's scheme",
+                    f"{bu.pct(o['saved_bytes'] / ex['saved_bytes'])} vs "
+                    f"{bu.pct(p['saved_bytes'] / ex['saved_bytes'])} of exact", "ours < paper",
+                    o["saved_bytes"] < p["saved_bytes"], stem)
+    ov = load(d, OVERHEAD)
+    if ov:
+        worst = max(ov["exact_path"].items(), key=lambda kv: kv[1]["ratio"])
+        add(f"`exact` sketch path / nn.Linear, worst layer shape ({worst[0]})",
+            bu.r3(worst[1]["ratio"]), "<= 1.05", worst[1]["ratio"] <= 1.05, OVERHEAD)
+        if "exact_model" in ov:
+            r = ov["exact_model"]["ratio"]
+            add(f"`exact` sketch path / nn.Linear, {ov['exact_model']['model']} training step",
+                bu.r3(r), "<= 1.05", r <= 1.05, OVERHEAD)
+    return bu.fmt_table(["target", "measured", "target", "", "run"], rows)
+
+
+def table_block(d: Path, stem: str) -> str:
+    p = d / f"{stem}.md"
+    if not p.is_file():
+        return f"(no run yet: `{stem}`)"
+    return "\n".join(line for line in p.read_text().splitlines()
+                     if not line.startswith("<!-- generated"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dir", default=str(bu.RESULTS))
+    args = p.parse_args(argv)
+    d = Path(args.dir)
+    readme = d / "README.md"
+    text = readme.read_text()
+
+    def fill(m: re.Match) -> str:
+        name = m.group(1)
+        if name == "runs":
+            body = runs_block(d)
+        elif name == "targets":
+            body = targets_block(d)
+        else:
+            body = table_block(d, name)
+        return f"<!-- BEGIN {name} -->\n{body}\n<!-- END {name} -->"
+
+    new = re.sub(r"<!-- BEGIN (\S+) -->.*?<!-- END \1 -->", fill, text, flags=re.S)
+    readme.write_text(new)
+    print(f"updated {readme}")
+
+
+if __name__ == "__main__":
+    main()
