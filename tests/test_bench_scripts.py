@@ -144,8 +144,13 @@ def test_fast_path_unbiased(name):
     assert (mean - torch.eye(n, dtype=torch.float64)).abs().max().item() < tol
 
 
-def test_blocksrht_sparse_and_gather_paths_agree():
-    """On CPU float32/64 the block SRHT is one CSR product; other dtypes and devices gather."""
+@pytest.mark.parametrize("gather_limit", [1 << 24, 0])
+def test_blocksrht_sparse_and_gather_paths_agree(monkeypatch, gather_limit):
+    """On CPU float32/64 the block SRHT is one CSR product; other dtypes and devices gather (all
+    source rows at once, or one block column at a time past GATHER_LIMIT)."""
+    import sketchprop.sketches as sketches
+
+    monkeypatch.setattr(sketches, "GATHER_LIMIT", gather_limit)
     sk = BlockSRHT()
     a = torch.randn(37, 12)
     rows = torch.tensor([0, 2, 3, 5, 8, 9, 10, 20, 21, 22, 30, 31, 33, 36])

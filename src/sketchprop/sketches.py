@@ -231,6 +231,11 @@ class DFT(_Transform):
         return _dft_rows(a, rows, signs, idx, scale)
 
 
+#: Block SRHT off the CPU sparse path: gather all ``k x block`` source rows at once (one temporary
+#: of that many elements) up to this size, else gather and accumulate one block column at a time.
+GATHER_LIMIT = 1 << 24
+
+
 @functools.lru_cache(maxsize=32)
 def _hadamard(b: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """The orthonormal ``b x b`` Sylvester-Hadamard matrix (``b`` a power of two), cached."""
@@ -250,7 +255,9 @@ class BlockSRHT(Sketch):
     are ever computed: each is a signed sum of the ``block`` rows of its block, so the cost is
     ``O(k * block * N)`` and no ``B``-long transform or ``k x B`` dense matrix is formed. On CPU
     (float32/float64) ``S^T`` is built as a ``k x B`` CSR matrix with ``k * block`` entries and
-    applied in one sparse product; elsewhere as ``block`` gathers with multiply-adds.
+    applied in one sparse product; elsewhere (CUDA, 16-bit) as one gather of the ``k * block``
+    source rows and one batched product (``block`` gathers with multiply-adds past
+    :data:`GATHER_LIMIT` elements).
 
     Mixing spreads a large row over its block, which keeps the variance near the Gaussian one when
     row norms are uneven; ``block=1`` is plain uniform row sampling (one gather).
@@ -315,6 +322,11 @@ class BlockSRHT(Sketch):
                                               check_invariants=False)
             return s_t @ a
         coef = coef.to(a.dtype)
+        if k * b * a.shape[1] <= GATHER_LIMIT:
+            # Two kernels: gather the k blocks of source rows, then one batched product.
+            g = a.index_select(0, src.view(-1)).view(k, b, a.shape[1])
+            return torch.bmm(coef.view(k, 1, b), g).view(k, a.shape[1])
+        # Large: b gathers of k rows each, so the temporary stays at the size of the output.
         out = a.index_select(0, src[:, 0]).mul_(coef[:, :1])
         for t in range(1, b):
             out.addcmul_(a.index_select(0, src[:, t]), coef[:, t : t + 1])
