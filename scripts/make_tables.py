@@ -210,9 +210,9 @@ def table4(runs: list[dict], experiment: str, stem: Path) -> None:
         f"# Table 4 analogue ({experiment}, CoLA)\n\n"
         "Matthews corr. x100 at the best epoch; training time is the HF Trainer's train_runtime "
         "(evaluation included), median over seeds. The paper's columns are roberta-base, 10 "
-        "epochs, one GPU. Times on this shared 2-core machine vary by some percent between runs "
-        "(other processes ran alongside): compare ratios, not seconds; scripts/bench_*.py measure "
-        "speed properly.\n\n" + describe(runs)))
+        "epochs, one GPU. The times here were taken on a 2-core machine shared with other jobs "
+        "(tests, benchmarks, a second run): they vary by tens of percent between runs and say "
+        "little about speed; scripts/bench_*.py measure speed properly.\n\n" + describe(runs)))
 
 
 def tuning(runs: list[dict], out: Path) -> None:
@@ -363,6 +363,19 @@ def figure3(memory_dir: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def embed_in_readme(readme: Path, table: Path, name: str) -> None:
+    """Copy ``table`` between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in ``readme``."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    if not (readme.exists() and table.exists()):
+        return
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        return
+    head, rest = text.split(begin, 1)
+    body = table.read_text().split("\n", 2)[2]  # without the table's own title
+    readme.write_text(f"{head}{begin}\n{body.strip()}\n{end}{rest.split(end, 1)[1]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(ROOT / "results"))
@@ -382,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     figure3(results / "memory", figures)
     figure5(runs, args.cpu_experiment, figures)
     figure6(runs, args.cpu_experiment, figures)
+    embed_in_readme(results.parent / "README.md", tables / "table4.md", "table4")
     for path in sorted([*tables.glob("*.md"), *figures.glob("figure[356]*.png")]):
         print(path.relative_to(results.parent) if path.is_relative_to(results.parent) else path)
 
