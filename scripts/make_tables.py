@@ -332,7 +332,8 @@ def figure6(runs: list[dict], experiment: str, out: Path) -> None:
         ax.plot(xs, [statistics.median(by_rho[x]) for x in xs], marker="o", label=name)
     ax.axhline(1.0, color="k", lw=0.8, ls="--", label="exact")
     ax.set(xscale="log", xlabel="rho", ylabel="train samples/s relative to exact",
-           title=f"Figure 6 analogue: CoLA, {runs[0]['model']}, HF train_samples_per_second")
+           title=f"Figure 6 analogue: CoLA, {runs[0]['model']}, HF train_samples_per_second\n"
+                 f"({'; '.join(sorted({r.get('hardware', '?') for r in runs}))})")
     ax.legend(fontsize=8)
     _save(fig, out / "figure6_throughput.png")
     plt.close(fig)
