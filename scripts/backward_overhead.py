@@ -169,7 +169,8 @@ def exact_model(dev, args) -> dict:
     step = bm.make_step(model, batch, opt)
 
     def patched():
-        patch_linear(model, sketch="exact", rho=1.0)
+        # Like for like: every row kept (skip_padding would also drop padding rows from dW).
+        patch_linear(model, sketch="exact", rho=1.0, share_inputs=False, skip_padding=False)
         try:
             step()
         finally:

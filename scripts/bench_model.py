@@ -11,6 +11,8 @@ whose tokenizer is not available offline, random ids with the same lengths.
 Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``--rhos``):
 
 - ``exact``: plain ``nn.Linear``. ``ckpt``: exact with HF activation checkpointing.
+- ``exact-skip``: the ``exact`` sketch (no randomness, exact gradients) with ``skip_padding``: the
+  layers store and multiply only the non-padding rows of ``X`` (padding rows have zero gradient).
 - ``paper``: the paper's scheme: dense Gaussian sketch in every ``nn.Linear`` including the
   classifier head, one sketch per layer (``share_inputs=False``), padding rows sketched
   (``skip_padding=False``), ``B_proj >= 3`` as in the authors' code.
@@ -175,6 +177,10 @@ def method_list(args) -> list[dict]:
         if m in ("exact", "ckpt"):
             out.append({"name": m, "ckpt": m == "ckpt", "patch": None, "rho": None})
             continue
+        if m == "exact-skip":  # no sketch, but padding rows left out of the stored X and of dW
+            out.append({"name": m, "method": m, "ckpt": False, "rho": None,
+                        "patch": dict(sketch="exact", rho=1.0, exclude="classifier")})
+            continue
         for rho in args.rho_list:
             base = {"rho": rho, "ckpt": m.startswith("ckpt+")}
             kind = m.removeprefix("ckpt+")
@@ -285,15 +291,42 @@ def analytic_split(model, batch, exclude: str | None = "classifier") -> dict:
 
 # ----------------------------------------------------------------------------------------- memory
 
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) of this process; False where Linux lacks it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def memory_child(args) -> None:
-    """Run in a fresh process: two training steps of one method; print peak memory as JSON."""
+    """Run in a fresh process: two training steps of one method; print peak memory as JSON.
+
+    On Linux the peak-RSS mark is reset after the model and batch are built, so the peak covers
+    the training steps only (loading a pretrained model or a tokenizer can peak higher than a
+    small model's training step); elsewhere it is the peak of the whole process."""
     method = json.loads(args.child)
     dev = bu.setup_device(args.device, args.threads)
     model = build_model(args.model_one, args.quick).to(dev).train()
     batch, _ = make_batch(args.model_one, model, args)
     batch = to_device(batch, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gc.collect()
     base_rss = bu_rss()
+    reset = reset_peak_rss()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -303,7 +336,9 @@ def memory_child(args) -> None:
         for _ in range(2):
             step()
     bu.sync(dev)
-    res = {"peak_rss": peak_rss(), "rss_before_steps": base_rss}
+    hwm = vm_hwm() if reset else None
+    res = {"peak_rss": hwm if hwm is not None else peak_rss(), "rss_before_steps": base_rss,
+           "peak_covers": "training steps" if hwm is not None else "whole process"}
     if dev.type == "cuda":
         res["peak_cuda"] = int(torch.cuda.max_memory_allocated(dev))
         res["cuda_before_steps"] = int(base_cuda)
@@ -436,7 +471,7 @@ def tables(results: list[dict], args) -> str:
         have_b = "saved_bytes" in ex
         have_m = "memory" in ex
         if have_t:
-            headers += ["step s", "time vs exact"]
+            headers += ["step s", "time vs exact (range)"]
         if have_b:
             headers += ["saved MiB", "saved % exact", "limit % exact", "gap pp"]
         if have_m:
@@ -446,7 +481,14 @@ def tables(results: list[dict], args) -> str:
             row = [name.split("@")[0], "-" if m["rho"] is None else f"{m['rho']:g}"]
             if have_t:
                 t = m.get("time")
-                row += [f"{t['median_s']:.3f}", bu.r3(t["ratio"])] if t else ["", ""]
+                if t and name != "exact":
+                    rs = t["ratios"]
+                    row += [f"{t['median_s']:.2f}",
+                            f"{t['ratio']:.3f} ({min(rs):.2f}-{max(rs):.2f})"]
+                elif t:
+                    row += [f"{t['median_s']:.2f}", "1"]
+                else:
+                    row += ["", ""]
             if have_b:
                 b = m["saved_bytes"]
                 row += [f"{b / 2**20:.1f}", bu.pct(b / ex["saved_bytes"])]
@@ -499,9 +541,17 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny models and batch: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--retable", default=None, metavar="JSON",
+                   help="rewrite the .md tables of an earlier run from its JSON file and exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.retable:
+        path = Path(args.retable)
+        payload = json.loads(path.read_text())
+        text = tables(payload["results"], argparse.Namespace(**payload["args"]))
+        bu.write_outputs(path.stem, payload, text, path.parent)
+        return
     if args.quick and args.child is None:
         args.batch, args.seq = min(args.batch, 4), min(args.seq, 32)
         args.repeats = min(args.repeats, 1)
