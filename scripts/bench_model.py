@@ -29,7 +29,8 @@ Parts (``--parts``):
 - ``time``: training steps (forward, backward, AdamW step) of every method interleaved round-robin
   in one process after a warm-up round; medians and per-round ratios against ``exact``.
 - ``memory``: peak memory of two training steps in a fresh subprocess per method (process peak RSS
-  on CPU: it never goes down within a process), or the CUDA allocator peak.
+  on CPU, with glibc returning large freed blocks to the system at once; it never goes down within
+  a process), or the CUDA allocator peak.
 
 HF checkpointing is used with ``use_reentrant=True`` so that the checkpointed inputs are visible
 to the saved-tensor hooks (the non-reentrant variant hides them); the memory it keeps is the same.
@@ -370,6 +371,10 @@ def memory_in_subprocess(model_name, method, args) -> dict:
         cmd.append("--quick")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bu.ROOT / "src"), env.get("PYTHONPATH")]))
+    # glibc: blocks of 64 KiB and more come from mmap and go back to the system when freed, so the
+    # peak RSS follows the peak of live tensors instead of the allocator's high-water mark.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
