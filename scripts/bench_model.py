@@ -253,9 +253,10 @@ def saved_bytes(model, batch, method) -> int:
     return meter.bytes
 
 
-def analytic_split(model, batch, exclude: str | None = "classifier") -> dict:
+def analytic_split(model, batch, exclude: str | None = "classifier", backward: bool = True) -> dict:
     """Saved bytes of the exact model split into storages saved only inside the linear layers that
-    ``patch_linear(exclude=...)`` would replace (their inputs) and everything else."""
+    ``patch_linear(exclude=...)`` would replace (their inputs) and everything else. ``backward=False``
+    drops the graph instead of backpropagating it (the bytes are counted in the forward pass)."""
     names = set(find_linear(model, exclude=exclude))
     inside = [0]
     owners: dict[tuple, set] = {}
@@ -279,8 +280,10 @@ def analytic_split(model, batch, exclude: str | None = "classifier") -> dict:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+        if backward:
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        del loss
     finally:
         for h in hooks:
             h.remove()
