@@ -253,10 +253,9 @@ def saved_bytes(model, batch, method) -> int:
     return meter.bytes
 
 
-def analytic_split(model, batch, exclude: str | None = "classifier", backward: bool = True) -> dict:
+def analytic_split(model, batch, exclude: str | None = "classifier") -> dict:
     """Saved bytes of the exact model split into storages saved only inside the linear layers that
-    ``patch_linear(exclude=...)`` would replace (their inputs) and everything else. ``backward=False``
-    drops the graph instead of backpropagating it (the bytes are counted in the forward pass)."""
+    ``patch_linear(exclude=...)`` would replace (their inputs) and everything else."""
     names = set(find_linear(model, exclude=exclude))
     inside = [0]
     owners: dict[tuple, set] = {}
@@ -280,10 +279,8 @@ def analytic_split(model, batch, exclude: str | None = "classifier", backward: b
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(**batch).loss
-        if backward:
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-        del loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
     finally:
         for h in hooks:
             h.remove()

@@ -3,6 +3,7 @@ JSON and markdown table; plus checks of the fast sketch implementations the benc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -158,3 +159,78 @@ def test_blocksrht_sparse_and_gather_paths_agree(monkeypatch, gather_limit):
         fast = sk.apply(a, 5, 3, r)
         slow = sk.apply(a.bfloat16(), 5, 3, r).float()
         torch.testing.assert_close(fast, slow, rtol=0.05, atol=0.05)
+
+
+def write_dev(root: Path, task: str, header: str | None, rows: list[str]) -> None:
+    (root / task).mkdir(parents=True, exist_ok=True)
+    (root / task / "dev.tsv").write_text("\n".join(([header] if header else []) + rows) + "\n")
+
+
+def test_memory_table_quick(tmp_path):
+    glue, out = tmp_path / "glue", tmp_path / "memory"
+    write_dev(glue, "CoLA", None, [f"gj04\t1\t\t{'the cat sees a dog ' * (i % 5 + 1)}."
+                                   for i in range(12)])
+    write_dev(glue, "MRPC", "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String",
+              [f"1\t{i}\t{i + 1}\tthe old river {'runs ' * i}\ta red house." for i in range(8)])
+    args = py("memory_table.py", "--quick", "--threads", "1", "--glue-dir", str(glue),
+              "--out-dir", str(out))
+    run_script(args, tmp_path)
+    names = sorted(p.name for p in out.glob("*.json"))
+    assert names == ["figure3-cola-b4.json", "figure3-cola-b6.json", "table3-cola-b8.json",
+                     "table3-mrpc-b4.json"]
+    for name in names:
+        p = json.loads((out / name).read_text())
+        exact = p["exact"]["saved_activation_bytes"]
+        assert p["real_tokens"] < p["padded_tokens"]
+        for scheme in ("paper", "ours"):
+            saved = [p[scheme][r]["saved_activation_bytes"] for r in ("0.5", "0.2", "0.1")]
+            assert exact > saved[0] >= saved[1] >= saved[2] > 0, (name, scheme, exact, saved)
+        assert exact > p["limit"]["0.5"] > p["limit"]["0.1"] > 0
+    # A second run skips what is there; nothing is rewritten.
+    before = {n: (out / n).read_bytes() for n in names}
+    assert "skipped" in run_script(args, tmp_path)
+    assert {n: (out / n).read_bytes() for n in names} == before
+    # The tables read the files: Table 3 and the Figure 3 curve (which borrows Table 3's CoLA point).
+    spec = importlib.util.spec_from_file_location("make_tables", ROOT / "scripts" / "make_tables.py")
+    make_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tables)
+    make_tables.table3(out, tmp_path / "tables")
+    make_tables.figure3(out, tmp_path / "figures")
+    table = (tmp_path / "tables" / "table3.md").read_text()
+    assert "| mrpc (4) |" in table and "| cola (8) |" in table and "memory_table.py" in table
+    assert (tmp_path / "figures" / "figure3_memory.png").stat().st_size > 0
+
+
+def test_memory_table_peak_child_and_merge(tmp_path):
+    """The fresh-process peak of one training step, and adding that part to a bytes-only file."""
+    line = run_script(py("memory_table.py", "--quick", "--threads", "1", "--child", "null",
+                         "--lengths", "[3, 5]"), tmp_path).splitlines()[-1]
+    res = json.loads(line.removeprefix("RESULT "))
+    assert res["peak_bytes"] >= res["before_step_bytes"] > 0
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from memory_table import merge
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    old = {"parts": ["bytes"], "command": "a", "wall_seconds": 1.0, "limit": {"0.1": 5},
+           "exact": {"saved_activation_bytes": 10}, "paper": {"0.1": {"saved_activation_bytes": 6}},
+           "ours": {"0.1": {"saved_activation_bytes": 5}}}
+    new = {"parts": ["memory"], "command": "b", "wall_seconds": 2.0,
+           "exact": {"peak_memory": {"peak_bytes": 100}}, "paper": {"0.1": {"peak_memory": 1}},
+           "ours": {"0.1": {"peak_memory": 2}}}
+    m = merge(old, new)
+    assert m["parts"] == ["bytes", "memory"] and m["limit"] == {"0.1": 5}
+    assert m["exact"] == {"saved_activation_bytes": 10, "peak_memory": {"peak_bytes": 100}}
+    assert m["ours"]["0.1"] == {"saved_activation_bytes": 5, "peak_memory": 2}
+    assert m["wall_seconds"] == 3.0 and m["command"] == "a ; b"
+
+
+@pytest.mark.parametrize("bad, message", [(["--parts", "bites"], "bites"),
+                                          (["--points", "table9"], "table9"),
+                                          (["--glue-dir", "/nonexistent"], "lacks dev.tsv")])
+def test_memory_table_bad_input_fails_before_work(tmp_path, bad, message):
+    proc = subprocess.run(py("memory_table.py", "--quick", "--out-dir", str(tmp_path), *bad),
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not any(tmp_path.iterdir())

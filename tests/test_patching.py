@@ -209,3 +209,38 @@ def test_skip_padding_sketch_covers_only_real_rows():
     layer.register_forward_hook(lambda m, a, o: seen.update(rows=m.context.rows_for(a[0])))
     model(**data).loss.backward()
     assert seen["rows"].numel() == int(data["attention_mask"].sum())
+
+
+def _discarded_bytes(model, data):
+    """Forward-only count that drops what is saved, keeping what the randomized layers save."""
+    with SavedTensorMeter(model, discard=True, keep_labels={"rl"}) as meter:
+        hooks = [h for m in model.modules() if isinstance(m, RandomizedLinear) for h in (
+            m.register_forward_pre_hook(lambda *a: setattr(meter, "label", "rl")),
+            m.register_forward_hook(lambda *a: setattr(meter, "label", None)))]
+        loss = model(**data).loss
+    for h in hooks:
+        h.remove()
+    with pytest.raises(RuntimeError, match="discard=True"):
+        loss.backward()
+    return meter.bytes
+
+
+@pytest.mark.parametrize("kwargs", [None, dict(share_inputs=True, skip_padding=True),
+                                    dict(share_inputs=False, skip_padding=False)])
+def test_meter_discard_counts_what_keeping_counts(kwargs):
+    data = batch(length=32)
+    model = tiny_roberta()
+    if kwargs:
+        patch_linear(model, "blocksrht", 0.25, min_rows=1, **kwargs)
+    assert _discarded_bytes(model, data) == _saved_bytes(model, data)
+
+
+def test_meter_counts_a_freed_storage_whose_address_is_reused():
+    x = torch.randn(1000, requires_grad=True)
+    with SavedTensorMeter(discard=True) as meter:
+        for _ in range(3):  # each result is freed before the next one (likely) takes its address
+            x.exp().sum()
+    with SavedTensorMeter() as kept:
+        ys = [x.exp() for _ in range(3)]
+    assert meter.count == kept.count == 3 and meter.bytes == kept.bytes == 3 * 4000
+    assert len(ys) == 3

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["SavedTensorMeter", "peak_memory_bytes", "reset_peak_memory", "time_fn", "synchronize"]
 
@@ -33,39 +34,74 @@ class SavedTensorMeter:
     >>> meter.bytes          # activation bytes kept alive for backward
 
     Storages of the given ``params`` (weights saved by linear layers) are excluded: they are not
-    activation memory. Tensors are only inspected, never copied or kept.
+    activation memory. Tensors are only inspected, never copied.
+
+    ``meter.label`` may be set while the block runs (from module hooks, say); each counted storage
+    records the labels it was saved under (``records``: ``(nbytes, labels)`` pairs).
+
+    ``discard=True`` counts a forward pass that will never be backpropagated without keeping what
+    it saves: each saved tensor is dropped at once (``backward`` then fails), except those saved
+    under a label in ``keep_labels``, so the saved bytes of a batch whose activations would not fit
+    in memory can still be counted. Keep what later code finds again through weak references
+    (the sketches ``share_inputs`` shares), or it is recomputed and counted twice. A storage is
+    recognised by address and size while it is alive; a weak reference tells a freed storage whose
+    address was reused apart from the same one saved twice.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor] | nn.Module | None = None):
+    def __init__(self, params: Iterable[torch.Tensor] | nn.Module | None = None, *,
+                 discard: bool = False, keep_labels: Iterable[str] = ()):
         if isinstance(params, nn.Module):
             params = params.parameters()
         self._exclude = {_storage_key(p) for p in (params or [])}
-        self._seen: dict[tuple, int] = {}
+        self.discard = discard
+        self.keep_labels = set(keep_labels)
+        self.label: str | None = None
+        self.records: list[tuple[int, set]] = []
+        self._live: dict[tuple, tuple] = {}  # storage key -> (weak reference, index in records)
+        self._kept: list[torch.Tensor] = []
         self._ctx = None
 
     def _pack(self, t: torch.Tensor):
         if t.layout == torch.strided and not t.is_meta:
             key = _storage_key(t)
             if key not in self._exclude and key[2] != 0:
-                self._seen[key] = key[3]
+                entry = self._live.get(key)
+                if entry is None or entry[0].expired():
+                    entry = (StorageWeakRef(t.untyped_storage()), len(self.records))
+                    self._live[key] = entry
+                    self.records.append((key[3], set()))
+                self.records[entry[1]][1].add(self.label)
+        if not self.discard:
+            return t
+        if self.label in self.keep_labels:
+            self._kept.append(t)
+        return None
+
+    @staticmethod
+    def _unpack(t):
+        if t is None:
+            raise RuntimeError("this graph was recorded under SavedTensorMeter(discard=True): "
+                               "its saved tensors were dropped and it cannot be backpropagated")
         return t
 
     def __enter__(self) -> SavedTensorMeter:
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+        self._live.clear()
+        self._kept.clear()
         return False
 
     @property
     def bytes(self) -> int:
-        return sum(self._seen.values())
+        return sum(n for n, _ in self.records)
 
     @property
     def count(self) -> int:
-        return len(self._seen)
+        return len(self.records)
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

