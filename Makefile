@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu tables
+.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu memory tables
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -56,6 +56,17 @@ table2: install  ## Table 2 at paper scale (GPU, hub): roberta-base, 9 tasks, ex
 	$(TRAIN) -m experiment=table2 method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table2 method=$(REC) scheme=ours method.rho=0.1,0.2 $(ARGS)
 
+# The paper's Table 3 points, task:batch size.
+TABLE3_POINTS ?= mrpc:128 sst2:256 qnli:16 cola:256
+
+table3: install  ## Table 3 at paper scale (GPU, hub): peak memory over one epoch at the paper's task:batch points
+	set -e; for p in $(TABLE3_POINTS); do \
+		point="task=$${p%%:*} train.batch_size=$${p##*:}"; \
+		$(TRAIN) -m experiment=table3 $$point method=exact $(ARGS); \
+		$(TRAIN) -m experiment=table3 $$point method=gaussian method.rho=0.5,0.2,0.1 $(ARGS); \
+		$(TRAIN) -m experiment=table3 $$point method=$(REC) scheme=ours method.rho=0.5,0.2,0.1 $(ARGS); \
+	done
+
 table4: install  ## Table 4 at paper scale (GPU, hub): CoLA, four sketches at 0.5/0.2/0.1
 	$(TRAIN) -m experiment=table4 method=exact $(ARGS)
 	$(TRAIN) -m experiment=table4 method=gaussian,rademacher,dct,dft method.rho=0.1,0.2,0.5 $(ARGS)
@@ -84,6 +95,9 @@ figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 dur
 figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR), three layers tracked
 	$(TRAIN) experiment=figure4-minilm $(ARGS)
 	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1.json
+
+memory: install  ## Table 3 and Figure 3 on this CPU: saved-activation bytes of roberta-base at real task lengths (GLUE_DIR)
+	$(PY) scripts/memory_table.py --points table3,figure3 --parts bytes $(ARGS)
 
 tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files
 	$(PY) scripts/make_tables.py

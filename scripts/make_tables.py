@@ -286,6 +286,35 @@ def table3(memory_dir: Path, out: Path) -> None:
         f"Made by: {points[0].get('command', '?')} on {points[0].get('hardware', '?')}."))
 
 
+def table3_runs(runs: list[dict], experiment: str, stem: Path) -> None:
+    """Table 3 from training runs (``experiment=table3``, GPU): peak memory over one epoch."""
+    runs = [r for r in runs if r["_experiment"] == experiment]
+    if not runs:
+        return
+    points = defaultdict(dict)
+    for r in runs:
+        batch = r.get("config", {}).get("train", {}).get("batch_size")
+        key = "exact" if r["sketch"] == "exact" else f"{r['sketch']} ({scheme(r)})"
+        points[(r["task"], batch)].setdefault(key, {})[float(r["rho"])] = r["peak_memory_bytes"]
+    header = ["task (batch)", "method", "peak GiB 0.5 / 0.2 / 0.1", "saving 0.5 / 0.2 / 0.1",
+              "exact GiB", "paper GPU GiB none / 0.5 / 0.2 / 0.1"]
+    rows = []
+    for (task, batch), methods in sorted(points.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        exact = methods.get("exact", {}).get(1.0)
+        paper = " / ".join(PAPER_TABLE3.get((task, batch), ("-",)))
+        for key in sorted(k for k in methods if k != "exact"):
+            peaks = [methods[key].get(r) for r in (0.5, 0.2, 0.1)]
+            rows.append([
+                f"{task} ({batch})", key,
+                " / ".join("-" if v is None else f"{v / 2**30:.2f}" for v in peaks),
+                " / ".join("-" if v is None or not exact else f"{1 - v / exact:.0%}" for v in peaks),
+                "-" if exact is None else f"{exact / 2**30:.2f}", paper])
+    write_table(stem, header, rows, (
+        "# Table 3 from training runs: peak memory over one epoch\n\n"
+        "peak_memory_bytes of each run (the CUDA allocator's peak on a GPU, as the paper measured "
+        f"it). {describe(runs)}"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Figures
 
@@ -417,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     table4(runs, args.cpu_experiment, tables / "table4")
     table2(runs, "table2", tables / "table2_roberta")
     table4(runs, "table4", tables / "table4_roberta")
+    table3_runs(runs, "table3", tables / "table3_roberta")
     tuning(runs, tables)
     table3(results / "memory", tables)
     figure3(results / "memory", figures)

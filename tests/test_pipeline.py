@@ -350,3 +350,32 @@ def test_ddp_two_cpu_processes(tmp_path, glue_dir):
     assert result["world_size"] == 2 and result["global_step"] == 2
     # Two ranks of batch 8 for two steps: 32 examples, a third of the 48 training examples.
     assert result["epochs"] == pytest.approx(32 / 48, abs=1e-3)
+
+
+@pytest.mark.parametrize("experiment, extra, scheme_shared, epochs", [
+    ("table2", ["method=gaussian", "method.rho=0.5"], False, 10),
+    ("table3", ["method=gaussian", "method.rho=0.2"], False, 1),
+    ("table4", ["method=dct", "method.rho=0.1"], False, 10),
+    ("table4", ["method=blocksrht", "scheme=ours", "method.rho=0.1"], True, 10),
+    # The tiny model has two layers: the tracked layer 6 becomes layer 1 (a wrong name raises).
+    ("figure4", [r"method.track_variance='layer\.1\.intermediate\.dense$'"], False, 10),
+])
+def test_paper_scale_experiments_smoke_run_on_the_tiny_model(tmp_path, glue_dir, experiment, extra,
+                                                             scheme_shared, epochs):
+    """The paper-scale experiments with the authors' recipe, only the model swapped for the tiny
+    one and the run cut to three steps of batch 8."""
+    cfg = compose([f"experiment={experiment}", "model=tiny-roberta", "logger=none",
+                   f"data.glue_dir={glue_dir}", f"results_dir={tmp_path}/results",
+                   f"checkpoints_dir={tmp_path}/ckpt", "train.max_length=32", "train.batch_size=8",
+                   "train.max_steps=3", "data.max_eval_samples=16", *extra])
+    conf = validate(cfg)
+    assert conf.train.epochs == epochs and conf.train.lr_scheduler == "polynomial"
+    assert conf.train.precision == "fp32" and conf.method.share_inputs == scheme_shared
+    result = run(cfg, output_dir=tmp_path / "run")
+    check_result(result, "cola", ["matthews"])
+    name = f"{result['sketch']}-rho{result['rho']:g}-seed1.json"
+    assert (tmp_path / "results/runs" / experiment / "cola" / name).exists()
+    if experiment == "figure4":
+        assert result["config"]["train"]["batch_size"] == 8 and result["rho"] == 0.5
+        assert {r["layer"] for r in result["variance"]} == {
+            "roberta.encoder.layer.1.intermediate.dense"}

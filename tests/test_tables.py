@@ -70,3 +70,19 @@ def test_tables_and_figures_from_json_only_and_deterministic(make_tables, tmp_pa
     first = digest(tmp_path / "tables") | digest(tmp_path / "figures")
     make_tables.main(["--results", str(tmp_path)])
     assert digest(tmp_path / "tables") | digest(tmp_path / "figures") == first
+
+
+def test_table3_from_training_runs(make_tables, tmp_path):
+    """experiment=table3 runs (GPU) give table3_roberta: peak memory per point and rate."""
+    for sketch, rho, peak in (("exact", 1.0, 8), ("gaussian", 0.5, 6), ("gaussian", 0.1, 4)):
+        run = fake_run("mrpc", sketch, rho, 1, 80, 100)
+        run["config"]["train"]["batch_size"] = 128
+        run["peak_memory_bytes"] = peak * 2**30
+        path = tmp_path / "runs" / "table3" / "mrpc" / f"{sketch}-rho{rho}-seed1.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run))
+    make_tables.main(["--results", str(tmp_path)])
+    table = (tmp_path / "tables" / "table3_roberta.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| mrpc (128)"))
+    assert "6.00 / - / 4.00" in row and "25% / - / 50%" in row and "| 8.00 |" in row
+    assert "11.30 / ~10.64 / 9.20 / ~8.72" in row
