@@ -76,6 +76,7 @@ tune-cpu: install  ## CPU tables, step 1: the exact MiniLM on CoLA dev at three 
 	$(TRAIN) -m experiment=tune_cpu $(ARGS)
 
 table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.5/0.2/0.1, REC 0.2/0.1, seeds (GLUE_DIR)
+	$(PY) scripts/majority_baseline.py
 	$(TRAIN) -m experiment=table2_cpu method=exact $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu method=$(REC) scheme=ours method.rho=0.1,0.2 $(ARGS)

@@ -86,3 +86,23 @@ def test_table3_from_training_runs(make_tables, tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| mrpc (128)"))
     assert "6.00 / - / 4.00" in row and "25% / - / 50%" in row and "| 8.00 |" in row
     assert "11.30 / ~10.64 / 9.20 / ~8.72" in row
+
+
+def test_majority_baseline_row(make_tables, tmp_path, glue_dir):
+    """scripts/majority_baseline.py scores the constant prediction with the pipeline's metrics;
+    Table 2 shows it under the exact row."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "baselines" / "majority.json"
+    subprocess.run([sys.executable, str(SCRIPT.parent / "majority_baseline.py"), "--glue-dir",
+                    str(glue_dir), "--tasks", "cola,stsb", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    tasks = json.loads(out.read_text())["tasks"]
+    assert tasks["cola"]["validation"] == {"matthews": 0.0}
+    assert tasks["stsb"]["validation"] == {"pearson": None, "spearman": None}
+    write_runs(tmp_path)
+    make_tables.main(["--results", str(tmp_path)])
+    lines = (tmp_path / "tables" / "table2.md").read_text().splitlines()
+    exact = next(i for i, line in enumerate(lines) if line.startswith("| exact |"))
+    assert lines[exact + 1].startswith("| majority class | 0.00 | - |")  # cola; mrpc not scored
