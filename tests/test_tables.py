@@ -106,3 +106,16 @@ def test_majority_baseline_row(make_tables, tmp_path, glue_dir):
     lines = (tmp_path / "tables" / "table2.md").read_text().splitlines()
     exact = next(i for i, line in enumerate(lines) if line.startswith("| exact |"))
     assert lines[exact + 1].startswith("| majority class | 0.00 | - |")  # cola; mrpc not scored
+
+
+def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
+    for experiment, lr, score in (("tune_cpu/lr3e-05", 3e-5, 55.0), ("minilm_cpu", 1e-4, 57.0)):
+        run = fake_run("rte", "exact", 1.0, 1, score, 100)
+        run["config"]["train"]["learning_rate"] = lr
+        path = tmp_path / "runs" / experiment / "rte" / "exact-rho1.0-seed1.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run))
+    make_tables.main(["--results", str(tmp_path)])
+    text = (tmp_path / "tables" / "tuning.md").read_text()
+    assert "Best rate per task: rte 0.0001." in text
+    assert "| rte | exact | 3e-05 | 55.00 |" in text and "| rte | exact | 0.0001 | 57.00 |" in text
