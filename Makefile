@@ -97,8 +97,9 @@ figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR
 	$(TRAIN) experiment=figure4-minilm $(ARGS)
 	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1.json
 
-memory: install  ## Table 3 and Figure 3 on this CPU: saved-activation bytes of roberta-base at real task lengths (GLUE_DIR)
-	$(PY) scripts/memory_table.py --points table3,figure3 --parts bytes $(ARGS)
+memory: install  ## Table 3 and Figure 3 on this CPU: roberta-base saved bytes at real task lengths, step peaks for Figure 3 (GLUE_DIR)
+	$(PY) scripts/memory_table.py --points table3 --parts bytes $(ARGS)
+	$(PY) scripts/memory_table.py --points figure3 --parts bytes,memory $(ARGS)
 
 tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files
 	$(PY) scripts/make_tables.py
