@@ -308,6 +308,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="table3,figure3", help="table3, figure3 or both")
     p.add_argument("--parts", default="bytes", help="bytes, memory or both")
+    p.add_argument("--tasks", default=None, help="only these tasks' points (e.g. CoLA,MRPC)")
     p.add_argument("--sketch", default="blocksrht", help="our sketch (default: the recommended)")
     p.add_argument("--glue-dir", default=bm.default_glue_dir())
     p.add_argument("--device", default="cpu")
@@ -334,6 +335,12 @@ def main(argv=None) -> None:
         p.error("no GLUE folder: pass --glue-dir or set GLUE_DIR")
     args.glue_dir = Path(args.glue_dir)
     todo = [(t, task, b) for t in tables for task, b in (QUICK_POINTS if args.quick else POINTS)[t]]
+    if args.tasks:
+        keep = bu.parse_list(args.tasks)
+        bad = [t for t in keep if t not in COLUMNS]
+        if bad:
+            p.error(f"--tasks: unknown {bad}; choose from {', '.join(sorted(COLUMNS))}")
+        todo = [x for x in todo if x[1] in keep]
     missing = sorted({task for _, task, _ in todo if not (args.glue_dir / task / "dev.tsv").is_file()})
     if missing:
         p.error(f"{args.glue_dir} lacks dev.tsv for {', '.join(missing)}")

@@ -227,6 +227,7 @@ def test_memory_table_peak_child_and_merge(tmp_path):
 
 @pytest.mark.parametrize("bad, message", [(["--parts", "bites"], "bites"),
                                           (["--points", "table9"], "table9"),
+                                          (["--tasks", "QQP"], "QQP"),
                                           (["--glue-dir", "/nonexistent"], "lacks dev.tsv")])
 def test_memory_table_bad_input_fails_before_work(tmp_path, bad, message):
     proc = subprocess.run(py("memory_table.py", "--quick", "--out-dir", str(tmp_path), *bad),
