@@ -418,13 +418,14 @@ def figure3(memory_dir: Path, out: Path) -> None:
     sizes = {p["batch_size"] for p in curve}
     pts = sorted(curve + [p for p in points if p.get("table") == "table3" and p["task"] == task
                           and p["batch_size"] not in sizes], key=lambda p: p["batch_size"])
-    rows = [("saved activations (GiB)", pts, lambda rec: rec["saved_activation_bytes"])]
+    rows = [("saved activations (GiB)", pts, lambda rec: rec["saved_activation_bytes"], "log")]
     peak_pts = [p for p in pts if _peak(p["exact"]) is not None]
     if peak_pts:
-        rows.append(("peak memory of a step (GiB)", peak_pts, _peak))
+        rows.append(("peak memory of a training step (GiB)", peak_pts, _peak, "linear"))
     plt = _pyplot()
-    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 4 * len(rows)), sharey="row", squeeze=False)
-    for (ylabel, row_pts, value), ax_row in zip(rows, axes, strict=True):
+    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3.6 * len(rows)), sharey="row",
+                             sharex=True, squeeze=False, layout="constrained")
+    for i, ((ylabel, row_pts, value, yscale), ax_row) in enumerate(zip(rows, axes, strict=True)):
         xs = [p["batch_size"] for p in row_pts]
         for ax, sch in zip(ax_row, ("paper", "ours"), strict=True):
             ax.plot(xs, [value(p["exact"]) / 2**30 for p in row_pts], marker="o", color="k",
@@ -432,7 +433,11 @@ def figure3(memory_dir: Path, out: Path) -> None:
             for rho in ("0.5", "0.2", "0.1"):
                 ax.plot(xs, [value(p[sch][rho]) / 2**30 for p in row_pts], marker="o",
                         label=f"rho={rho}")
-            ax.set(title=f"{sch} layout", xlabel="batch size", xscale="log", yscale="log")
+            ax.set(xscale="log", yscale=yscale)
+            if i == 0:
+                ax.set_title(f"{sch} layout")
+            if i == len(rows) - 1:
+                ax.set_xlabel("batch size")
             ax.legend(fontsize=8)
         ax_row[0].set_ylabel(ylabel)
     fig.suptitle(f"Figure 3 analogue: roberta-base (random weights), {task} dev lengths")
