@@ -117,5 +117,5 @@ def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
         path.write_text(json.dumps(run))
     make_tables.main(["--results", str(tmp_path)])
     text = (tmp_path / "tables" / "tuning.md").read_text()
-    assert "Best rate per task: rte 0.0001." in text
+    assert "Highest dev score per task at: rte 0.0001." in text
     assert "| rte | exact | 3e-05 | 55.00 |" in text and "| rte | exact | 0.0001 | 57.00 |" in text
