@@ -99,6 +99,7 @@ figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR
 
 memory: install  ## Table 3 and Figure 3 on this CPU: roberta-base saved bytes at real task lengths, step peaks for Figure 3 (GLUE_DIR)
 	$(PY) scripts/memory_table.py --points table3 --parts bytes $(ARGS)
+	$(PY) scripts/memory_table.py --points table3 --tasks CoLA --parts memory $(ARGS)
 	$(PY) scripts/memory_table.py --points figure3 --parts bytes,memory $(ARGS)
 
 tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files

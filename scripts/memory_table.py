@@ -27,7 +27,8 @@ measured and added (``--overwrite`` redoes it), so an interrupted run resumes.
 ``scripts/make_tables.py`` builds ``table3.md`` and ``figure3_memory.png`` from these files.
 
     python scripts/memory_table.py --points table3 --parts bytes            # make memory runs
-    python scripts/memory_table.py --points figure3 --parts bytes,memory    # these two
+    python scripts/memory_table.py --points table3 --tasks CoLA --parts memory   # these three
+    python scripts/memory_table.py --points figure3 --parts bytes,memory
     python scripts/memory_table.py --quick --out-dir /tmp/memory            # tiny model, seconds
 """
 
