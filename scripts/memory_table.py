@@ -332,9 +332,6 @@ def main(argv=None) -> None:
     bad = [t for t in tables if t not in POINTS]
     if bad or not tables:
         p.error(f"--points: unknown {bad}; choose from {', '.join(POINTS)}")
-    if not args.glue_dir:
-        p.error("no GLUE folder: pass --glue-dir or set GLUE_DIR")
-    args.glue_dir = Path(args.glue_dir)
     todo = [(t, task, b) for t in tables for task, b in (QUICK_POINTS if args.quick else POINTS)[t]]
     if args.tasks:
         keep = bu.parse_list(args.tasks)
@@ -342,6 +339,9 @@ def main(argv=None) -> None:
         if bad:
             p.error(f"--tasks: unknown {bad}; choose from {', '.join(sorted(COLUMNS))}")
         todo = [x for x in todo if x[1] in keep]
+    if not args.glue_dir:
+        p.error("no GLUE folder: pass --glue-dir or set GLUE_DIR")
+    args.glue_dir = Path(args.glue_dir)
     missing = sorted({task for _, task, _ in todo if not (args.glue_dir / task / "dev.tsv").is_file()})
     if missing:
         p.error(f"{args.glue_dir} lacks dev.tsv for {', '.join(missing)}")
