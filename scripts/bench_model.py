@@ -369,17 +369,22 @@ def memory_in_subprocess(model_name, method, args) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.quick:
         cmd.append("--quick")
+    return run_memory_child(cmd, method["name"])
+
+
+def run_memory_child(cmd: list[str], what: str, timeout: int = 1800) -> dict:
+    """Run a memory child process (``cmd``) and return the JSON of its ``RESULT`` line."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bu.ROOT / "src"), env.get("PYTHONPATH")]))
     # glibc: blocks of 64 KiB and more come from mmap and go back to the system when freed, so the
     # peak RSS follows the peak of live tensors instead of the allocator's high-water mark.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     env.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"memory child failed for {method['name']}:\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"memory child failed for {what}:\n{proc.stderr[-3000:]}")
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -35,11 +35,10 @@ measured and added (``--overwrite`` redoes it), so an interrupted run resumes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -127,6 +126,20 @@ def make_batch(model, lengths: list[int]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+@contextlib.contextmanager
+def labelled(meter: SavedTensorMeter, modules, label: str):
+    """Set ``meter.label`` to ``label`` while any of ``modules`` runs its forward."""
+    hooks = []
+    for mod in modules:
+        hooks.append(mod.register_forward_pre_hook(lambda m, a: setattr(meter, "label", label)))
+        hooks.append(mod.register_forward_hook(lambda m, a, o: setattr(meter, "label", None)))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def saved_bytes(model, batch, patch: dict | None) -> int:
     """Bytes autograd saves in one forward pass, counted and dropped as they are saved (the pass is
     never backpropagated), so that batches whose activations exceed this machine's memory fit.
@@ -134,18 +147,9 @@ def saved_bytes(model, batch, patch: dict | None) -> int:
     reference, and a dropped one would be recomputed."""
     with torch.enable_grad(), bm.Configured(model, {"patch": patch, "ckpt": False}):
         with SavedTensorMeter(model, discard=True, keep_labels={"randomized"}) as meter:
-            hooks = []
-            for mod in model.modules():
-                if isinstance(mod, RandomizedLinear):
-                    hooks.append(
-                        mod.register_forward_pre_hook(lambda m, a: setattr(meter, "label", "randomized"))
-                    )
-                    hooks.append(mod.register_forward_hook(lambda m, a, o: setattr(meter, "label", None)))
-            try:
+            randomized = [m for m in model.modules() if isinstance(m, RandomizedLinear)]
+            with labelled(meter, randomized, "randomized"):
                 model(**batch)
-            finally:
-                for h in hooks:
-                    h.remove()
     gc.collect()
     return meter.bytes
 
@@ -155,17 +159,10 @@ def analytic_limit(model, batch) -> dict:
     ``patch_linear(exclude="classifier")`` replaces (their inputs) and the rest; the limit keeps
     the rest and rho of the former."""
     names = set(find_linear(model, exclude="classifier"))
+    linear_layers = [m for name, m in model.named_modules() if name in names]
     with torch.enable_grad(), SavedTensorMeter(model, discard=True) as meter:
-        hooks = []
-        for name, mod in model.named_modules():
-            if name in names:
-                hooks.append(mod.register_forward_pre_hook(lambda m, a: setattr(meter, "label", "linear")))
-                hooks.append(mod.register_forward_hook(lambda m, a, o: setattr(meter, "label", None)))
-        try:
+        with labelled(meter, linear_layers, "linear"):
             model(**batch)
-        finally:
-            for h in hooks:
-                h.remove()
     linear = sum(n for n, labels in meter.records if labels == {"linear"})
     split = {
         "total": meter.bytes,
@@ -232,17 +229,8 @@ def peak_in_subprocess(patch: dict | None, lengths: list[int], args) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.quick:
         cmd.append("--quick")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(bu.ROOT / "src"), env.get("PYTHONPATH")]))
-    # As in bench_model.py: freed large blocks go back to the system at once, so the peak RSS
-    # follows the peak of live tensors rather than the allocator's high-water mark.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"memory child failed:\n{proc.stderr[-3000:]}")
+    # bench_model's runner: the same glibc settings, so the peak RSS follows live tensors.
+    return bm.run_memory_child(cmd, f"{patch}", timeout=3600)
 
 
 # ------------------------------------------------------------------------------------------- main
