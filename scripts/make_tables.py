@@ -256,13 +256,18 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
         "other tasks' checks did not change it.\n\n" + describe(tuned)))
 
 
+def load_memory(memory_dir: Path) -> list[dict]:
+    """Every point file of scripts/memory_table.py, in file-name order."""
+    files = sorted(memory_dir.glob("*.json")) if memory_dir.exists() else []
+    return [json.loads(f.read_text()) for f in files]
+
+
 def _peak(rec: dict) -> int | None:
     return (rec.get("peak_memory") or {}).get("peak_bytes")
 
 
 def table3(memory_dir: Path, out: Path) -> None:
-    files = sorted(memory_dir.glob("*.json")) if memory_dir.exists() else []
-    points = [json.loads(f.read_text()) for f in files]
+    points = load_memory(memory_dir)
     points = [p for p in points if p.get("table") == "table3"]
     if not points:
         return
@@ -409,8 +414,7 @@ def figure6(runs: list[dict], experiment: str, out: Path) -> None:
 def figure3(memory_dir: Path, out: Path) -> None:
     """Saved-activation memory (and, where measured, the peak of a training step) against batch
     size per rate (roberta-base, real lengths)."""
-    files = sorted(memory_dir.glob("*.json")) if memory_dir.exists() else []
-    points = [json.loads(f.read_text()) for f in files]
+    points = load_memory(memory_dir)
     curve = [p for p in points if p.get("table") == "figure3"]
     if not curve:
         return
