@@ -225,33 +225,38 @@ def table4(runs: list[dict], experiment: str, stem: Path) -> None:
         "little about speed; scripts/bench_*.py measure speed properly.\n\n" + describe(runs)))
 
 
+def _recipe(r: dict) -> tuple[float, int]:
+    """The (learning rate, batch size) a tuning run varied."""
+    return r["config"]["train"]["learning_rate"], r["config"]["train"]["batch_size"]
+
+
 def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
-    """The learning-rate runs of experiment=tune_cpu per task, beside the exact seed-1 run of the
-    table pool (the recipe's own rate) for every task that was tuned."""
+    """The learning-rate (and batch-size) runs of experiment=tune_cpu per task, beside the exact
+    seed-1 run of the table pool (the recipe's own setting) for every task that was tuned."""
     tuned = [r for r in runs if r["_experiment"] == "tune_cpu"]
     if not tuned:
         return
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in tuned)]
-    rates = {(r["task"], r["config"]["train"]["learning_rate"]) for r in tuned}
+    tried = {(r["task"], *_recipe(r)) for r in tuned}
     table = [r for r in runs if r["_experiment"] == pool and r["sketch"] == "exact"
-             and r["seed"] == 1 and r["task"] in tasks
-             and (r["task"], r["config"]["train"]["learning_rate"]) not in rates]
+             and r["seed"] == 1 and r["task"] in tasks and (r["task"], *_recipe(r)) not in tried]
     rows, best = [], {}
     for t in tasks:
-        these = sorted([r for r in tuned + table if r["task"] == t],
-                       key=lambda r: r["config"]["train"]["learning_rate"])
-        best[t] = max(these, key=lambda r: score(r) or -math.inf)["config"]["train"]["learning_rate"]
+        these = sorted([r for r in tuned + table if r["task"] == t], key=lambda r: _recipe(r)[::-1])
+        lr, bs = _recipe(max(these, key=lambda r: score(r) or -math.inf))
+        best[t] = f"{t} lr {lr:g} batch {bs}"
         for r in these:
             per_epoch = ", ".join(f"{h.get(METRIC[t], math.nan):.2f}" for h in r["history"])
-            rows.append([t, r["sketch"], f"{r['config']['train']['learning_rate']:g}",
-                         f"{score(r):.2f}", per_epoch, r["_experiment"]])
-    write_table(out / "tuning", ["task", "method", "learning rate", "best-epoch score",
+            lr, bs = _recipe(r)
+            rows.append([t, r["sketch"], f"{lr:g}", str(bs), f"{score(r):.2f}", per_epoch,
+                         r["_experiment"]])
+    write_table(out / "tuning", ["task", "method", "learning rate", "batch", "best-epoch score",
                                  "score per epoch", "runs"], rows, (
         "# Tuning of the CPU recipe (experiment=tune_cpu)\n\n"
-        "The exact MiniLM on dev at a few learning rates, with the recipe of "
-        "configs/experiment/table2_cpu.yaml otherwise (rows from runs/" + pool + " are that "
-        "table's own exact run). Highest dev score per task at: "
-        + ", ".join(f"{t} {best[t]:g}" for t in tasks) + ". The rate in table2_cpu.yaml "
+        "The exact MiniLM on dev at a few learning rates (and, where a batch column differs, batch "
+        "sizes), with the recipe of configs/experiment/table2_cpu.yaml otherwise (rows from runs/"
+        + pool + " are that table's own exact run). Highest dev score per task at: "
+        + ", ".join(best[t] for t in tasks) + ". The rate in table2_cpu.yaml "
         "(chosen on CoLA) is fixed for every task, sketch and rate; results/README.md says why "
         "other tasks' checks did not change it.\n\n" + describe(tuned)))
 

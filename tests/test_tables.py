@@ -109,13 +109,17 @@ def test_majority_baseline_row(make_tables, tmp_path, glue_dir):
 
 
 def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
-    for experiment, lr, score in (("tune_cpu/lr3e-05", 3e-5, 55.0), ("minilm_cpu", 1e-4, 57.0)):
+    for experiment, lr, batch, score in (("tune_cpu/lr3e-05", 3e-5, 32, 55.0),
+                                         ("tune_cpu/bs16-lr3e-05", 3e-5, 16, 56.0),
+                                         ("minilm_cpu", 1e-4, 32, 57.0)):
         run = fake_run("rte", "exact", 1.0, 1, score, 100)
-        run["config"]["train"]["learning_rate"] = lr
+        run["config"]["train"].update(learning_rate=lr, batch_size=batch)
         path = tmp_path / "runs" / experiment / "rte" / "exact-rho1.0-seed1.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(run))
     make_tables.main(["--results", str(tmp_path)])
     text = (tmp_path / "tables" / "tuning.md").read_text()
-    assert "Highest dev score per task at: rte 0.0001." in text
-    assert "| rte | exact | 3e-05 | 55.00 |" in text and "| rte | exact | 0.0001 | 57.00 |" in text
+    assert "Highest dev score per task at: rte lr 0.0001 batch 32." in text
+    rows = [line for line in text.splitlines() if line.startswith("| rte |")]
+    assert [row.split(" | ")[2:5] for row in rows] == [["3e-05", "16", "56.00"], ["3e-05", "32", "55.00"],
+                                                       ["0.0001", "32", "57.00"]]
