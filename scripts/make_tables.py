@@ -253,9 +253,9 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
     write_table(out / "tuning", ["task", "method", "learning rate", "batch", "best-epoch score",
                                  "score per epoch", "runs"], rows, (
         "# Tuning of the CPU recipe (experiment=tune_cpu)\n\n"
-        "The exact MiniLM on dev at a few learning rates (and, where a batch column differs, batch "
-        "sizes), with the recipe of configs/experiment/table2_cpu.yaml otherwise (rows from runs/"
-        + pool + " are that table's own exact run). Highest dev score per task at: "
+        "The exact MiniLM on dev at a few learning rates and batch sizes, with the recipe of "
+        "configs/experiment/table2_cpu.yaml otherwise (rows from runs/" + pool + " are that "
+        "table's own exact run). Highest dev score per task at: "
         + ", ".join(best[t] for t in tasks) + ". The rate in table2_cpu.yaml "
         "(chosen on CoLA) is fixed for every task, sketch and rate; results/README.md says why "
         "other tasks' checks did not change it.\n\n" + describe(tuned)))
