@@ -127,17 +127,22 @@ def write_table(stem: Path, header: list[str], rows: list[list], preamble: str) 
 
 
 def describe(runs: list[dict]) -> str:
-    """Where and how the runs were made: models, hardware, commits, epochs, training subset."""
+    """Where and how the runs were made: models, hardware, commits, epochs, training subset.
+    A setting that differs between the runs lists every value, e.g. ``3.0/10.0 epochs``."""
     hardware = sorted({r.get("hardware") or r.get("device", "?") for r in runs})
     models = sorted({r["model"] for r in runs})
     commits = sorted({(r.get("git_commit") or "?")[:8] for r in runs})
-    cfg = runs[0].get("config", {})
-    train, data = cfg.get("train", {}), cfg.get("data", {})
+
+    def values(group: str, key: str) -> str:
+        found = {r.get("config", {}).get(group, {}).get(key) for r in runs}
+        return "/".join(str(v) for v in sorted(found, key=lambda v: (v is None, v or 0)))
+
+    subset = values("data", "max_train_samples")
     return (f"Model: {', '.join(models)}. Hardware: {'; '.join(hardware)}. Commits: "
-            f"{', '.join(commits)}. Recipe: {train.get('epochs')} epochs, batch "
-            f"{train.get('batch_size')}, lr {train.get('learning_rate')}, max length "
-            f"{train.get('max_length')}, first {data.get('max_train_samples') or 'all'} training "
-            f"examples per task, full dev sets.")
+            f"{', '.join(commits)}. Recipe: {values('train', 'epochs')} epochs, batch "
+            f"{values('train', 'batch_size')}, lr {values('train', 'learning_rate')}, max length "
+            f"{values('train', 'max_length')}, first {'all' if subset == 'None' else subset} "
+            "training examples per task, full dev sets.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,9 +230,10 @@ def table4(runs: list[dict], experiment: str, stem: Path) -> None:
         "little about speed; scripts/bench_*.py measure speed properly.\n\n" + describe(runs)))
 
 
-def _recipe(r: dict) -> tuple[float, int]:
-    """The (learning rate, batch size) a tuning run varied."""
-    return r["config"]["train"]["learning_rate"], r["config"]["train"]["batch_size"]
+def _recipe(r: dict) -> tuple[float, int, float]:
+    """The (learning rate, batch size, epochs) a tuning run varied."""
+    train = r["config"]["train"]
+    return train["learning_rate"], train["batch_size"], train["epochs"]
 
 
 def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
@@ -243,17 +249,17 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
     rows, best = [], {}
     for t in tasks:
         these = sorted([r for r in tuned + table if r["task"] == t], key=lambda r: _recipe(r)[::-1])
-        lr, bs = _recipe(max(these, key=lambda r: score(r) or -math.inf))
-        best[t] = f"{t} lr {lr:g} batch {bs}"
+        lr, bs, ep = _recipe(max(these, key=lambda r: score(r) or -math.inf))
+        best[t] = f"{t} lr {lr:g} batch {bs} {ep:g} epochs"
         for r in these:
             per_epoch = ", ".join(f"{h.get(METRIC[t], math.nan):.2f}" for h in r["history"])
-            lr, bs = _recipe(r)
-            rows.append([t, r["sketch"], f"{lr:g}", str(bs), f"{score(r):.2f}", per_epoch,
+            lr, bs, ep = _recipe(r)
+            rows.append([t, r["sketch"], f"{lr:g}", str(bs), f"{ep:g}", f"{score(r):.2f}", per_epoch,
                          r["_experiment"]])
-    write_table(out / "tuning", ["task", "method", "learning rate", "batch", "best-epoch score",
+    write_table(out / "tuning", ["task", "method", "learning rate", "batch", "epochs", "best-epoch score",
                                  "score per epoch", "runs"], rows, (
         "# Tuning of the CPU recipe (experiment=tune_cpu)\n\n"
-        "The exact MiniLM on dev at a few learning rates and batch sizes, with the recipe of "
+        "The exact MiniLM on dev at a few learning rates, batch sizes and epoch counts, with the recipe of "
         "configs/experiment/table2_cpu.yaml otherwise (rows from runs/" + pool + " are that "
         "table's own exact run). Highest dev score per task at: "
         + ", ".join(best[t] for t in tasks) + ". The rate in table2_cpu.yaml "

@@ -109,17 +109,21 @@ def test_majority_baseline_row(make_tables, tmp_path, glue_dir):
 
 
 def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
-    for experiment, lr, batch, score in (("tune_cpu/lr3e-05", 3e-5, 32, 55.0),
-                                         ("tune_cpu/bs16-lr3e-05", 3e-5, 16, 56.0),
-                                         ("minilm_cpu", 1e-4, 32, 57.0)):
+    for experiment, lr, batch, epochs, score in (("tune_cpu/lr3e-05", 3e-5, 32, 3, 55.0),
+                                                 ("tune_cpu/bs16-lr3e-05", 3e-5, 16, 3, 56.0),
+                                                 ("tune_cpu/ep10-lr3e-05", 3e-5, 32, 10, 56.5),
+                                                 ("minilm_cpu", 1e-4, 32, 3, 57.0)):
         run = fake_run("rte", "exact", 1.0, 1, score, 100)
-        run["config"]["train"].update(learning_rate=lr, batch_size=batch)
+        run["config"]["train"].update(learning_rate=lr, batch_size=batch, epochs=epochs)
         path = tmp_path / "runs" / experiment / "rte" / "exact-rho1.0-seed1.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(run))
     make_tables.main(["--results", str(tmp_path)])
     text = (tmp_path / "tables" / "tuning.md").read_text()
-    assert "Highest dev score per task at: rte lr 0.0001 batch 32." in text
+    assert "Highest dev score per task at: rte lr 0.0001 batch 32 3 epochs." in text
+    assert "Recipe: 3/10 epochs, batch 16/32, lr 3e-05, max length 128" in text  # tuned runs only
     rows = [line for line in text.splitlines() if line.startswith("| rte |")]
-    assert [row.split(" | ")[2:5] for row in rows] == [["3e-05", "16", "56.00"], ["3e-05", "32", "55.00"],
-                                                       ["0.0001", "32", "57.00"]]
+    assert [row.split(" | ")[2:6] for row in rows] == [["3e-05", "16", "3", "56.00"],
+                                                       ["3e-05", "32", "3", "55.00"],
+                                                       ["0.0001", "32", "3", "57.00"],
+                                                       ["3e-05", "32", "10", "56.50"]]
