@@ -168,6 +168,22 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     assert [(p / "result.json").exists() for p in runs] == [True, False]
 
 
+def test_result_records_the_commit_the_run_started_from(tmp_path, glue_dir, monkeypatch):
+    """A commit made while a long run trains is not the code that ran: the run records HEAD (and
+    whether the tree was dirty) as it was before training."""
+    head = {"commit": "a" * 40, "dirty": False}
+    monkeypatch.setattr("sketchprop.train._git_commit", lambda: (head["commit"], head["dirty"]))
+
+    class CommitDuringTraining(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            head.update(commit="b" * 40, dirty=True)
+
+    result = run(compose(overrides(tmp_path, glue_dir, "task=cola")), output_dir=tmp_path / "run",
+                 callbacks=[CommitDuringTraining()])
+    assert (result["git_commit"], result["git_dirty"]) == ("a" * 40, False)
+    assert head["commit"] == "b" * 40  # the callback did run
+
+
 def test_regression_run_in_process_metrics_match_predictions(tmp_path, glue_dir):
     class Keep(TrainerCallback):
         def on_train_end(self, args, state, control, model=None, processing_class=None, **kw):

@@ -371,6 +371,9 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         log.info("skip: %s exists", path)
         return None
     glue_dir = _check_sources(conf)
+    # The code that runs is the checkout at the start: a commit made during a long run must not
+    # be recorded as the run's.
+    commit, dirty = _git_commit()
     raw = glue.load_glue(conf.task, glue_dir, conf.data.max_train_samples,
                          conf.data.max_eval_samples)
 
@@ -460,7 +463,6 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         runtime = out.metrics["train_runtime"]
         tokens = trainer.state.num_input_tokens_seen - epoch_logs.tokens_at_start
         sketch, rho = _sketch_rho(conf)
-        commit, dirty = _git_commit()
         result = {
             "task": conf.task.name,
             "model": conf.model.name,
