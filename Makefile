@@ -80,7 +80,7 @@ table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.
 	$(TRAIN) -m experiment=table2_cpu method=exact $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu method=$(REC) scheme=ours method.rho=0.1,0.2 $(ARGS)
-	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=exact train.seed=2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc,rte method=exact train.seed=2,3 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=gaussian method.rho=0.1 train.seed=2,3 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=$(REC) scheme=ours method.rho=0.1 train.seed=2,3 $(ARGS)
 
