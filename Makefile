@@ -81,8 +81,8 @@ table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.
 	$(TRAIN) -m experiment=table2_cpu method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu method=$(REC) scheme=ours method.rho=0.1,0.2 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc,rte method=exact train.seed=2,3 $(ARGS)
-	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=gaussian method.rho=0.1 train.seed=2,3 $(ARGS)
-	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc method=$(REC) scheme=ours method.rho=0.1 train.seed=2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc,rte method=gaussian method.rho=0.1 train.seed=2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc,rte method=$(REC) scheme=ours method.rho=0.1 train.seed=2,3 $(ARGS)
 
 table4-cpu: install  ## Table 4 on this CPU: MiniLM on CoLA, five sketches at 0.5/0.2/0.1 (GLUE_DIR)
 	$(TRAIN) -m experiment=table4_cpu method=exact $(ARGS)
