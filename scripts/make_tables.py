@@ -133,15 +133,15 @@ def describe(runs: list[dict]) -> str:
     models = sorted({r["model"] for r in runs})
     commits = sorted({(r.get("git_commit") or "?")[:8] for r in runs})
 
-    def values(group: str, key: str) -> str:
+    def values(group: str, key: str, unset: str = "None") -> str:
         found = {r.get("config", {}).get(group, {}).get(key) for r in runs}
-        return "/".join(str(v) for v in sorted(found, key=lambda v: (v is None, v or 0)))
+        return "/".join(unset if v is None else str(v)
+                        for v in sorted(found, key=lambda v: (v is None, v or 0)))
 
-    subset = values("data", "max_train_samples")
     return (f"Model: {', '.join(models)}. Hardware: {'; '.join(hardware)}. Commits: "
             f"{', '.join(commits)}. Recipe: {values('train', 'epochs')} epochs, batch "
             f"{values('train', 'batch_size')}, lr {values('train', 'learning_rate')}, max length "
-            f"{values('train', 'max_length')}, first {'all' if subset == 'None' else subset} "
+            f"{values('train', 'max_length')}, first {values('data', 'max_train_samples', 'all')} "
             "training examples per task, full dev sets.")
 
 
