@@ -12,12 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import TrainerCallback
 
 from sketchprop import glue
 from sketchprop.config import compose, validate
-from sketchprop.train import RunError, _history_callback, result_path, run
+from sketchprop.train import RunError, _history_callback, run, run_files
 
 CONTRACT = {"task", "model", "sketch", "rho", "seed", "epochs", "metrics", "best_metrics",
             "history", "train_samples_per_second", "tokens_per_second", "peak_memory_bytes",
@@ -26,9 +25,11 @@ CONTRACT = {"task", "model", "sketch", "rho", "seed", "epochs", "metrics", "best
 
 
 def overrides(tmp, glue_dir, *extra):
-    """A few steps of the tiny model on the fixture data, all outputs under ``tmp``."""
+    """A few steps of the tiny model on the fixture data, all outputs under ``tmp``, the result
+    filed under ``tmp/results`` (kept)."""
     return ["model=tiny-roberta", "logger=none", "train=cpu", f"data.glue_dir={glue_dir}",
-            f"results_dir={tmp}/results", f"checkpoints_dir={tmp}/ckpt", "train.max_length=32",
+            f"results_dir={tmp}/results", f"scratch_results_dir={tmp}/scratch", "keep=true",
+            f"checkpoints_dir={tmp}/ckpt", "train.max_length=32",
             "train.batch_size=8", "train.max_steps=3", "train.logging_steps=1",
             "train.learning_rate=1e-3", "data.max_eval_samples=16", *extra]
 
@@ -44,6 +45,13 @@ def env(**extra):
 def cli(args, cwd, **extra_env):
     return subprocess.run([sys.executable, "-m", "sketchprop.train", *args], cwd=cwd, env=env(
         **extra_env), capture_output=True, text=True, timeout=300)
+
+
+def filed(root, pattern):
+    """The one result file under ``root`` matching ``pattern`` (a glob)."""
+    found = sorted(root.glob(pattern))
+    assert len(found) == 1, (pattern, found)
+    return found[0]
 
 
 def check_result(result, task, metric_names):
@@ -101,6 +109,31 @@ def test_read_tsv_quirks(tmp_path):
         assert glue.read_tsv(path, task) == expected[name], name
 
 
+@pytest.mark.parametrize("task, text, error", [
+    ("cola", "gj04\t1\t\tGood.\ngj04\t1\n", r"cola.tsv:2: 2 tab-separated fields, expected 4"),
+    ("cola", "gj04\t1\t\tGood.\textra\n", r"cola.tsv:1: 5 tab-separated fields"),
+    ("cola", "gj04\t1\t\t \n", r"cola.tsv:1: empty sentence"),
+    ("cola", "gj04\tyes\t\tGood.\n", r"cola.tsv:1: label 'yes'"),
+    ("rte", "index\tsentence1\tsentence2\tlabel\n0\tA.\tB.\tentailment\n\n1\tC.\tD.\tno\n",
+     r"rte.tsv:3: 1 tab-separated fields"),
+    ("stsb", "index\tsentence1\tsentence2\tscore\n0\tA.\tB.\tfour\n",
+     r"stsb.tsv:2: score 'four' is not a number"),
+])
+def test_read_tsv_refuses_malformed_rows_with_file_and_line(tmp_path, task, text, error):
+    path = tmp_path / f"{task}.tsv"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(glue.GlueDataError, match=error):
+        glue.read_tsv(path, validate(compose([f"task={task}"])).task)
+
+
+def test_read_tsv_skips_qqp_short_rows_and_says_how_many(tmp_path, capsys):
+    path = tmp_path / "qqp.tsv"
+    path.write_text("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n0\t1\t2\tA?\tB?\t1\n"
+                    "1\t3\n2\t4\t5\n", encoding="utf-8")
+    assert glue.read_tsv(path, validate(compose(["task=qqp"])).task)["label"] == [1]
+    assert "skipped 2 malformed rows" in capsys.readouterr().out
+
+
 def test_load_glue_local_with_limits(glue_dir):
     task = validate(compose(["task=stsb"])).task
     data = glue.load_glue(task, glue_dir, max_train_samples=10, max_eval_samples=5)
@@ -147,8 +180,9 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     base = overrides(tmp_path, glue_dir, "method.rho=0.5")
     first = cli([*base, "logger=wandb", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    copy = tmp_path / "results/runs/default/cola/gaussian-rho0.5-seed1.json"
+    copy = filed(tmp_path, "results/runs/default/cola/gaussian-rho0.5-seed1-*.json")
     result = json.loads((tmp_path / "run/result.json").read_text())
+    assert copy.name == f"gaussian-rho0.5-seed1-{result['recipe']}.json"
     assert json.loads(copy.read_text()) == result
     check_result(result, "cola", ["matthews"])
     assert (result["sketch"], result["rho"], result["seed"]) == ("gaussian", 0.5, 1)
@@ -162,7 +196,7 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     assert f"skip: {copy} exists" in sweep.stdout
     assert copy.read_bytes() == before  # never overwritten silently
-    assert (tmp_path / "results/runs/default/cola/gaussian-rho0.25-seed1.json").exists()
+    filed(tmp_path, "results/runs/default/cola/gaussian-rho0.25-seed1-*.json")
     runs = sorted((tmp_path / "outputs/multiruns").glob("*/*/*/seed=1"))
     assert [p.parent.name.split("method.rho=")[1].split(",")[0] for p in runs] == ["0.25", "0.5"]
     assert [(p / "result.json").exists() for p in runs] == [True, False]
@@ -172,7 +206,7 @@ def test_result_records_the_commit_the_run_started_from(tmp_path, glue_dir, monk
     """A commit made while a long run trains is not the code that ran: the run records HEAD (and
     whether the tree was dirty) as it was before training."""
     head = {"commit": "a" * 40, "dirty": False}
-    monkeypatch.setattr("sketchprop.train._git_commit", lambda: (head["commit"], head["dirty"]))
+    monkeypatch.setattr("sketchprop.runs.git_commit", lambda repo: (head["commit"], head["dirty"]))
 
     class CommitDuringTraining(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -194,8 +228,8 @@ def test_regression_run_in_process_metrics_match_predictions(tmp_path, glue_dir)
                             "train.seed=3"))
     result = run(cfg, output_dir=tmp_path / "run", callbacks=[keep])
     check_result(result, "stsb", ["pearson", "spearman"])
-    assert json.loads((tmp_path / "results/runs/default/stsb/dct-rho0.25-seed3.json").read_text()
-                      ) == json.loads((tmp_path / "run/result.json").read_text())
+    assert json.loads(filed(tmp_path, "results/runs/default/stsb/dct-rho0.25-seed3-*.json")
+                      .read_text()) == json.loads((tmp_path / "run/result.json").read_text())
 
     # Recompute the final dev metrics by hand from the trained model's predictions.
     task = validate(cfg).task
@@ -218,7 +252,7 @@ def test_exact_method_is_unpatched_and_named_rho_1(tmp_path, glue_dir):
     result = run(compose(overrides(tmp_path, glue_dir, "method=exact", "train.max_steps=2")),
                  output_dir=tmp_path / "run")
     assert (result["sketch"], result["rho"], result["patched_layers"]) == ("exact", 1.0, 0)
-    assert (tmp_path / "results/runs/default/cola/exact-rho1.0-seed1.json").exists()
+    filed(tmp_path, "results/runs/default/cola/exact-rho1.0-seed1-*.json")
 
 
 def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
@@ -229,7 +263,7 @@ def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert {r["layer"] for r in records} == {"roberta.encoder.layer.1.intermediate.dense"}
     assert all(r["d2_sgd"] > 0 and r["d2_rmm"] > 0 and r["ratio"] > 0 for r in records)
-    saved = json.loads((tmp_path / "results/runs/default/cola/gaussian-rho0.1-seed1.json")
+    saved = json.loads(filed(tmp_path, "results/runs/default/cola/gaussian-rho0.1-seed1-*.json")
                        .read_text())
     assert saved["variance"] == records
 
@@ -249,17 +283,60 @@ def test_resume_from_last_checkpoint(tmp_path, glue_dir):
                      "data.max_train_samples=16")
     with pytest.raises(Interrupt):
         run(compose(base), output_dir=tmp_path / "a", callbacks=[InterruptAfterFirstCheckpoint()])
-    path = result_path(validate(compose(base)))
-    ckpt = tmp_path / "ckpt/default/cola/tiny-roberta/gaussian-rho0.1-seed1"
-    assert not path.exists() and (ckpt / "checkpoint-2").is_dir()
+    files = run_files(validate(compose(base)), compose(base), glue_dir)
+    ckpt = files.checkpoints
+    assert ckpt.parent == tmp_path / "ckpt/default/cola/tiny-roberta"
+    assert not files.index.exists() and (ckpt / "checkpoint-2").is_dir()
 
-    with pytest.raises(RunError, match="train.resume=true"):  # no silent restart
-        run(compose(base), output_dir=tmp_path / "b")
-    result = run(compose([*base, "train.resume=true"]), output_dir=tmp_path / "c")
+    # Started again, the run continues from its checkpoint (no flag needed).
+    result = run(compose(base), output_dir=tmp_path / "c")
     assert result["resumed_from_checkpoint"].endswith("checkpoint-2")
     assert result["global_step"] == 4 and result["epochs"] == 2
     assert [h["epoch"] for h in result["history"]] == [1, 2]  # epoch 1 from the checkpoint's log
-    assert path.exists() and not ckpt.exists() and not (tmp_path / "ckpt/default").exists()
+    assert files.index.exists() and not ckpt.exists() and not (tmp_path / "ckpt/default").exists()
+
+
+def test_resume_passes_over_an_incomplete_checkpoint(tmp_path, glue_dir, capsys):
+    """A run killed while writing its newest checkpoint resumes from the one before."""
+    base = overrides(tmp_path, glue_dir, "train.max_steps=-1", "train.epochs=3",
+                     "data.max_train_samples=16")
+
+    class InterruptAfterSecondCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                raise Interrupt("killed after step 4")
+
+    # save_total_limit=1 keeps only the newest checkpoint: keep a copy of the first one.
+    class KeepFirst(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                import shutil
+                src = f"{args.output_dir}/checkpoint-2"
+                shutil.copytree(src, f"{args.output_dir}/.keep-2")
+
+    with pytest.raises(Interrupt):
+        run(compose(base), output_dir=tmp_path / "a",
+            callbacks=[KeepFirst(), InterruptAfterSecondCheckpoint()])
+    ckpt = run_files(validate(compose(base)), compose(base), glue_dir).checkpoints
+    (ckpt / ".keep-2").rename(ckpt / "checkpoint-2")
+    (ckpt / "checkpoint-4" / "trainer_state.json").unlink()  # killed before the last file
+    capsys.readouterr()
+    result = run(compose(base), output_dir=tmp_path / "b")
+    out = capsys.readouterr().out
+    assert f"{ckpt / 'checkpoint-4'} is incomplete" in out and "passed over" in out
+    assert result["resumed_from_checkpoint"].endswith("checkpoint-2")
+    assert result["global_step"] == 6
+
+
+def test_resume_false_starts_afresh_and_says_so(tmp_path, glue_dir, capsys):
+    base = overrides(tmp_path, glue_dir, "train.max_steps=-1", "train.epochs=2",
+                     "data.max_train_samples=16")
+    with pytest.raises(Interrupt):
+        run(compose(base), output_dir=tmp_path / "a", callbacks=[InterruptAfterFirstCheckpoint()])
+    capsys.readouterr()
+    result = run(compose([*base, "train.resume=false"]), output_dir=tmp_path / "b")
+    assert "train.resume=false: starting afresh" in capsys.readouterr().out
+    assert result["resumed_from_checkpoint"] is None and result["global_step"] == 4
 
 
 def test_nan_loss_stops_with_a_message(tmp_path, glue_dir):
@@ -277,25 +354,138 @@ def test_nan_loss_stops_with_a_message(tmp_path, glue_dir):
         callback.on_log(None, SimpleNamespace(global_step=5, epoch=0.5), None, {"loss": np.inf})
 
 
-def test_existing_result_of_another_model_is_not_skipped_silently(tmp_path, glue_dir):
-    conf = validate(compose(overrides(tmp_path, glue_dir)))
-    path = result_path(conf)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"model": "roberta-base"}))
-    with pytest.raises(RunError, match="experiment_name"):
+def test_a_short_run_never_stands_in_for_the_full_run(tmp_path, glue_dir, capsys):
+    """Runs that differ only in max_steps (or any other setting of the recipe, the data limits,
+    the method, the model) are two runs: both train, each has its own file."""
+    short = run(compose(overrides(tmp_path, glue_dir, "train.max_steps=2")),
+                output_dir=tmp_path / "a")
+    full = run(compose(overrides(tmp_path, glue_dir, "train.max_steps=3")),
+               output_dir=tmp_path / "b")
+    assert full is not None and short["recipe"] != full["recipe"]
+    assert (short["global_step"], full["global_step"]) == (2, 3)
+    files = sorted((tmp_path / "results/runs/default/cola").glob("gaussian-rho0.1-seed1-*.json"))
+    assert len(files) == 2
+    assert run(compose(overrides(tmp_path, glue_dir, "train.max_steps=2")),
+               output_dir=tmp_path / "c") is None  # the same identity: skipped
+    assert "skip:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change", [
+    "train.max_steps=4", "train.learning_rate=2e-3", "train.max_length=24", "train.precision=bf16",
+    "train.eval_batch_size=4", "data.max_train_samples=40", "data.max_eval_samples=8",
+    "method.rho=0.2", "method.min_rows=4", "method.targets=query", "scheme=paper",
+    "model.random.hidden_size=16", "train.gradient_checkpointing=true", "train.seed=2",
+    "task=stsb"])
+def test_identity_covers_every_setting_that_changes_the_result(tmp_path, glue_dir, change):
+    base = overrides(tmp_path, glue_dir)
+    a = run_files(validate(compose(base)), compose(base), glue_dir)
+    b = run_files(validate(compose([*base, change])), compose([*base, change]), glue_dir)
+    assert a.ident != b.ident and a.index != b.index and a.checkpoints != b.checkpoints
+
+
+@pytest.mark.parametrize("change", [
+    "train.logging_steps=7", "train.checkpoint=false", "train.resume=false", "threads=1",
+    "logger=wandb", "experiment_name=default", "results_dir=/elsewhere", "overwrite=true"])
+def test_identity_leaves_out_what_cannot_change_the_result(tmp_path, glue_dir, change):
+    base = overrides(tmp_path, glue_dir)
+    a = run_files(validate(compose(base)), compose(base), glue_dir)
+    b = run_files(validate(compose([*base, change])), compose([*base, change]), glue_dir)
+    assert a.ident == b.ident and a.index.name == b.index.name
+
+
+def test_identity_follows_the_data_files_not_their_folder(tmp_path, glue_dir):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(glue_dir, copy)
+    base = overrides(tmp_path, glue_dir)
+    moved = overrides(tmp_path, copy)
+    ident = run_files(validate(compose(base)), compose(base), glue_dir).ident
+    assert run_files(validate(compose(moved)), compose(moved), copy).ident == ident
+    with open(copy / "CoLA/dev.tsv", "a") as f:
+        f.write("gj04\t1\t\tone more row.\n")
+    assert run_files(validate(compose(moved)), compose(moved), copy).ident != ident
+    assert run_files(validate(compose(base)), compose(base), None).ident["data"]["source"] == "hub"
+
+
+def test_a_file_of_another_run_under_the_same_name_is_refused(tmp_path, glue_dir):
+    files = run_files(validate(compose(overrides(tmp_path, glue_dir))),
+                      compose(overrides(tmp_path, glue_dir)), glue_dir)
+    files.index.parent.mkdir(parents=True)
+    files.index.write_text(json.dumps({"identity": {"task": "something else"}}))
+    with pytest.raises(RunError, match="holds another run"):
         run(compose(overrides(tmp_path, glue_dir)), output_dir=tmp_path / "run")
 
 
-def test_existing_result_of_another_scheme_is_not_skipped_silently(tmp_path, glue_dir):
-    """Same file name (sketch, rho, seed), other patching layout: a different run."""
-    ours = compose(overrides(tmp_path, glue_dir))
-    path = result_path(validate(ours))
-    path.parent.mkdir(parents=True)
-    config = OmegaConf.to_container(ours, resolve=True, enum_to_str=True)
-    path.write_text(json.dumps({"model": "tiny-roberta", "config": config}))
-    assert run(compose(overrides(tmp_path, glue_dir)), output_dir=tmp_path / "run") is None
-    with pytest.raises(RunError, match="experiment_name"):
-        run(compose(overrides(tmp_path, glue_dir, "scheme=paper")), output_dir=tmp_path / "run")
+def test_runs_not_kept_leave_the_tracked_results_alone(tmp_path, glue_dir, capsys):
+    """Without keep=true the result lands in the run folder and the scratch index only."""
+    args = [o for o in overrides(tmp_path, glue_dir) if o != "keep=true"]
+    result = run(compose(args), output_dir=tmp_path / "run")
+    assert result["kept"] is False
+    assert not (tmp_path / "results").exists()
+    assert (tmp_path / "run/result.json").exists()
+    filed(tmp_path, "scratch/runs/default/cola/gaussian-rho0.1-seed1-*.json")
+    out = capsys.readouterr().out
+    assert f"result: {tmp_path / 'run/result.json'}" in out and "not kept" in out
+
+
+def test_a_sweep_runs_past_a_failing_job_and_summarises(tmp_path, glue_dir):
+    base = overrides(tmp_path, glue_dir, "train.max_steps=2")
+    sweep = cli(["-m", *base, "method.rho=1.5,0.5"], tmp_path)
+    assert sweep.returncode == 1
+    filed(tmp_path, "results/runs/default/cola/gaussian-rho0.5-seed1-*.json")  # job 1 ran
+    err = sweep.stderr
+    assert "sweep: 1 job(s) failed" in err and "method.rho=1.5" in err and "(0, 1]" in err
+    rerun = next(line for line in err.splitlines() if "rerun:" in line)
+    assert "sketchprop.train -m" in rerun and "method.rho=1.5" in rerun
+    assert "method.rho=0.5" not in rerun
+
+
+def test_interrupt_says_how_to_continue(tmp_path, glue_dir):
+    base = overrides(tmp_path, glue_dir, "train.max_steps=-1", "train.epochs=2",
+                     "data.max_train_samples=16")
+
+    class CtrlC(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        run(compose(base), output_dir=tmp_path / "a", callbacks=[CtrlC()])
+    message = str(info.value)
+    assert "interrupted at step 3" in message and "checkpoint-2" in message
+    assert "Run the same command again" in message
+
+
+def test_sigterm_on_the_command_line_prints_the_resume_command(tmp_path, glue_dir):
+    import signal
+
+    argv = [sys.executable, "-m", "sketchprop.train",
+            *overrides(tmp_path, glue_dir, "train.max_steps=100000", "train.logging_steps=1000")]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the run announces itself before it loads data and trains
+        if line.startswith("run:"):
+            break
+    time.sleep(5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "the same command again" in err and "sketchprop.train" in err
+    assert "Traceback" not in err
+
+
+def test_a_malformed_data_row_is_refused_with_its_line(tmp_path, glue_dir):
+    import shutil
+
+    bad = tmp_path / "glue"
+    shutil.copytree(glue_dir, bad)
+    lines = (bad / "CoLA/train.tsv").read_text().splitlines()
+    lines[6] = "gj04\t1"  # a row cut short
+    (bad / "CoLA/train.tsv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(glue.GlueDataError, match=r"CoLA/train.tsv:7: 2 tab-separated fields"):
+        run(compose(overrides(tmp_path, bad)), output_dir=tmp_path / "run")
+    assert not list(tmp_path.glob("results/**/*.json"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +497,7 @@ BAD = {
     "method": (["method=nope"], ["Could not find 'method/nope'", "gaussian"]),
     "sketch": (["method.sketch=nope"], ["Invalid value 'nope'", "method.sketch"]),
     "key": (["train.epochz=1"], ["train.epochz"]),
+    "plus_key": (["+train.learing_rate=1e-4"], ["train.learing_rate", "train.learning_rate"]),
     "glue_dir": (["data.glue_dir={tmp}/nowhere"], ["data.glue_dir", "GLUE_DIR", "nyu-mll/glue"]),
     "hub_data": (["data.glue_dir=null"], ["nyu-mll/glue", "data.glue_dir", "network"]),
     "hub_model": (["model=roberta-base"], ["'roberta-base'", "model=minilm", "network"]),
@@ -389,7 +580,7 @@ def test_paper_scale_experiments_smoke_run_on_the_tiny_model(tmp_path, glue_dir,
     assert conf.train.precision == "fp32" and conf.method.share_inputs == scheme_shared
     result = run(cfg, output_dir=tmp_path / "run")
     check_result(result, "cola", ["matthews"])
-    name = f"{result['sketch']}-rho{result['rho']:g}-seed1.json"
+    name = f"{result['sketch']}-rho{result['rho']:g}-seed1-{result['recipe']}.json"
     assert (tmp_path / "results/runs" / experiment / "cola" / name).exists()
     if experiment == "figure4":
         assert result["config"]["train"]["batch_size"] == 8 and result["rho"] == 0.5

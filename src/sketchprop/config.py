@@ -13,8 +13,11 @@ _global_`` overrides of the root :class:`Config`, so they may set any key), hydr
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import enum
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,8 +169,11 @@ class TrainConfig:
     max_length: int = MISSING
     precision: Precision = Precision.fp32
     logging_steps: int = 50
-    checkpoint: bool = True  # save one every epoch (train.resume needs them); deleted at the end
-    resume: bool = False  # continue from the last checkpoint of this run's checkpoint folder
+    # HF gradient checkpointing: keep only each encoder layer's input, recompute the rest in
+    # backward (sketchprop.layers.RandomizedLinear says what a recomputed sketch does).
+    gradient_checkpointing: bool = False
+    checkpoint: bool = True  # save one every epoch (an interrupted run resumes); deleted at the end
+    resume: bool = True  # continue an interrupted run from its newest complete checkpoint
 
     def __post_init__(self):
         _check(math.isfinite(self.epochs) and self.epochs > 0, "train.epochs", self.epochs,
@@ -217,9 +223,16 @@ class Config:
     logger: LoggerConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     experiment_name: str | None = None  # null: the chosen experiment file's name, else "default"
+    keep: bool = False  # file the result under results_dir (tracked; the tables read it)
     results_dir: str = MISSING
+    scratch_results_dir: str = MISSING  # where results of runs not kept are filed
     checkpoints_dir: str = MISSING
     overwrite: bool = False  # rerun even if the result JSON exists
+    threads: int | None = None  # torch threads; null: the cores this process may use
+
+    def __post_init__(self):
+        _check(self.threads is None or self.threads >= 1, "threads", self.threads,
+               "null (the cores this process may use) or an integer >= 1")
 
 
 def _package_model_path(package: str) -> str:
@@ -255,11 +268,40 @@ def register() -> None:
 register()
 
 
-def validate(cfg: DictConfig) -> Config:
-    """Resolve ``cfg`` and run every schema's checks; returns the typed :class:`Config`.
+def _unknown_keys(node: Any, schema: type, prefix: str = ""):
+    """Yield ``(dotted key, closest valid key or None)`` for every key of ``node`` that
+    ``schema`` (a dataclass, searched recursively) does not know."""
+    if not isinstance(node, DictConfig):
+        return
+    hints = typing.get_type_hints(schema)
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key in node.keys():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            yield f"{prefix}{key}", (f"{prefix}{close[0]}" if close else None), names
+            continue
+        kind = hints[key]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        inner = args[0] if typing.get_origin(kind) is not None and len(args) == 1 else kind
+        child = node._get_node(key)
+        if dataclasses.is_dataclass(inner) and isinstance(child, DictConfig):
+            yield from _unknown_keys(child, inner, f"{prefix}{key}.")
+        elif dataclasses.is_dataclass(inner) and OmegaConf.is_list(child):
+            for i, item in enumerate(child):
+                yield from _unknown_keys(item, inner, f"{prefix}{key}[{i}].")
 
-    Raises :class:`ConfigError` naming the bad key and value.
+
+def validate(cfg: DictConfig) -> Config:
+    """Check that every key is known to a schema, resolve ``cfg`` and run every schema's
+    checks; returns the typed :class:`Config`.
+
+    Raises :class:`ConfigError` naming the bad key and value (for an unknown key, the closest
+    valid one). Keys added with Hydra's ``+`` bypass the schemas at composition; they fail here.
     """
+    for key, close, valid in _unknown_keys(cfg, Config):
+        hint = f"did you mean {close}?" if close else f"valid keys here: {', '.join(valid)}"
+        raise ConfigError(f"unknown config key {key!r}: {hint} (no schema in "
+                          f"sketchprop.config defines it)")
     try:
         return OmegaConf.to_object(cfg)
     except ConfigError:

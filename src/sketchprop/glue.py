@@ -21,6 +21,7 @@ import numpy as np
 
 __all__ = [
     "GlueDataError",
+    "IRREGULAR_ROWS",
     "TSV_COLUMNS",
     "compute_metrics",
     "glue_metrics",
@@ -140,17 +141,29 @@ def _label(raw: str, task, where: str):
                         f"nor an index below {len(task.labels)}")
 
 
+#: Tasks whose original files have known irregular rows, and the rule applied to them. The GLUE
+#: reference processors skip QQP rows with missing fields; every other file is regular, so any
+#: malformed row there is an error.
+IRREGULAR_ROWS = {"qqp": "rows with fewer fields than the header are skipped, as the GLUE "
+                         "reference processors do"}
+
+
 def read_tsv(path: str | os.PathLike, task) -> dict[str, list]:
     """Read one original GLUE TSV file into columns ``task.text_columns + ['label']``.
 
     Lines are split on tabs only: quote characters are text (MRPC and others have unbalanced
     quotes, which a csv reader would join across lines). A UTF-8 byte-order mark is dropped (MRPC).
-    Rows with fewer fields than the header are skipped, as the GLUE reference processors do (QQP).
+    A malformed row (another number of fields than the header, or than CoLA's four; an empty
+    text; a label or score that does not parse) raises :class:`GlueDataError` with ``file:line``,
+    except under a rule of :data:`IRREGULAR_ROWS`, which prints how many rows it skipped.
+    Trailing empty lines are not rows.
     """
     path = Path(path)
     columns = TSV_COLUMNS[task.name]
     with open(path, encoding="utf-8-sig") as f:
         lines = f.read().split("\n")
+    while lines and not lines[-1].strip("\r"):
+        lines.pop()
     header = None
     if any(isinstance(c, str) for c in columns.values()):
         header = lines.pop(0).rstrip("\r").split("\t")
@@ -159,15 +172,27 @@ def read_tsv(path: str | os.PathLike, task) -> dict[str, list]:
             raise GlueDataError(f"{path}: header {header} lacks the columns {missing}")
     index = {key: (col if isinstance(col, int) else header.index(col))
              for key, col in columns.items()}
-    width = max(index.values()) + 1 if header is None else len(header)
+    width = 4 if header is None else len(header)  # CoLA: source, label, mark, sentence
+    expected = ", ".join(header) if header else "source, label, mark, sentence"
+    rule = IRREGULAR_ROWS.get(task.name)
+    skipped = 0
     out: dict[str, list] = {key: [] for key in [*task.text_columns, "label"]}
     for number, line in enumerate(lines, start=2 if header else 1):
+        where = f"{path}:{number}"
         fields = line.rstrip("\r").split("\t")
-        if not line or len(fields) < width:
-            continue
+        if len(fields) != width:
+            if rule and len(fields) < width:
+                skipped += 1
+                continue
+            raise GlueDataError(f"{where}: {len(fields)} tab-separated fields, expected {width} "
+                                f"({expected})")
         for key in task.text_columns:
+            if not fields[index[key]].strip():
+                raise GlueDataError(f"{where}: empty {key} (column {index[key] + 1})")
             out[key].append(fields[index[key]])
-        out["label"].append(_label(fields[index["label"]], task, f"{path}:{number}"))
+        out["label"].append(_label(fields[index["label"]], task, where))
+    if skipped:
+        print(f"{path}: skipped {skipped} malformed rows ({task.name}: {rule})", flush=True)
     if not out["label"]:
         raise GlueDataError(f"{path} has no data rows")
     return out

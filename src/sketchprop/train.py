@@ -3,11 +3,9 @@
     python -m sketchprop.train task=cola model=roberta-base method=gaussian method.rho=0.1
     python -m sketchprop.train -m method.rho=0.5,0.2,0.1 task=cola,mrpc      # a sweep
 
-Each run writes ``result.json`` into its Hydra run folder and a copy to
-``<results_dir>/runs/<experiment>/<task>/<sketch>-rho<rho>-seed<seed>.json`` (the contract in
-DESIGN.md). A run whose JSON exists is skipped unless ``overwrite=true``; ``train.resume=true``
-continues an interrupted run from its last checkpoint (kept under ``checkpoints_dir`` until the run
-finishes). Under ``torchrun`` every rank trains and only rank 0 writes files.
+This module is the training run itself; what identifies a run, where its result is filed, when it is
+skipped or resumed, and what a sweep reports are in :mod:`sketchprop.runs`. Under ``torchrun``
+every rank trains and only rank 0 writes files.
 
 Everything that can fail cheaply (config values, an existing result, missing data, an unreachable
 hub) is checked before the first heavy import.
@@ -20,8 +18,7 @@ import logging
 import math
 import os
 import shlex
-import shutil
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,20 +27,23 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from . import glue
+from . import glue, runs
 from .config import CONFIG_DIR, REPO_ROOT, Config, ConfigError, validate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "result_path", "run"]
+__all__ = ["main", "run", "run_files"]
 
+RunError = runs.RunError  # raised by run() as well as by the bookkeeping
 
-class RunError(RuntimeError):
-    """A run cannot start as configured; the message says why and how to fix it."""
+#: Set by the SIGTERM handler. The handler also raises KeyboardInterrupt at once, but code that
+#: catches every exception (some libraries do, around optional imports) can swallow that; the
+#: trainer callback checks this flag at every step, so a SIGTERM always stops the run.
+_TERMINATED: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------
-# Names and paths
+# Names
 
 
 def _experiment(conf: Config) -> str:
@@ -59,69 +59,19 @@ def _sketch_rho(conf: Config) -> tuple[str, float]:
     return (sketch, 1.0) if sketch == "exact" else (sketch, float(conf.method.rho))
 
 
-def _run_name(conf: Config) -> str:
-    sketch, rho = _sketch_rho(conf)
-    return f"{sketch}-rho{rho}-seed{conf.train.seed}"
+def _world_size() -> int:
+    """Processes in this run (torchrun sets WORLD_SIZE); known before torch is imported."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def result_path(conf: Config) -> Path:
-    """``<results_dir>/runs/<experiment>/<task>/<sketch>-rho<rho>-seed<seed>.json``."""
-    return (Path(conf.results_dir) / "runs" / _experiment(conf) / conf.task.name
-            / f"{_run_name(conf)}.json")
-
-
-def _checkpoint_dir(conf: Config) -> Path:
-    # Named by the run, not by the Hydra folder, so that rerunning the same command resumes it.
-    return (Path(conf.checkpoints_dir) / _experiment(conf) / conf.task.name / conf.model.name
-            / _run_name(conf))
-
-
-def _last_checkpoint(folder: Path) -> Path | None:
-    steps = [(int(p.name.split("-")[1]), p) for p in folder.glob("checkpoint-*")
-             if p.is_dir() and p.name.split("-")[1].isdigit()]
-    return max(steps)[1] if steps else None
-
-
-def _remove_checkpoints(folder: Path, root: Path) -> None:
-    """Delete a run's checkpoint folder and the parents it leaves empty, up to ``root``."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    for parent in folder.parents:
-        if parent == root or root not in parent.parents or not parent.is_dir():
-            break
-        if any(parent.iterdir()):
-            break
-        parent.rmdir()
-
-
-def _finite(value):
-    """``value`` with NaN and infinities replaced by None, so that the JSON is standard."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Write atomically: a reader sees the old file or the complete new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-
-
-def _git_commit() -> tuple[str | None, bool | None]:
-    def git(*args):
-        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-
-    try:
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return None, None
+def run_files(conf: Config, cfg: DictConfig, glue_dir: Path | None) -> runs.RunFiles:
+    """The run's identity and where its files go (see :mod:`sketchprop.runs`)."""
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    data = runs.data_source(glue_dir, conf.task.dir, ["train.tsv", *[d.file for d in conf.task.dev]],
+                            glue.HUB_DATASET)
+    ident = runs.identity(config, data, _world_size())
+    return runs.RunFiles.of(ident, _experiment(conf), conf.results_dir, conf.scratch_results_dir,
+                            conf.checkpoints_dir, conf.keep, conf.model.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,38 +93,6 @@ def _hardware(device) -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-
-
-def _method_settings(conf: Config) -> dict:
-    """The method config as result.json stores it (enums as strings)."""
-    return OmegaConf.to_container(OmegaConf.structured(conf.method), enum_to_str=True)
-
-
-def _check_previous(conf: Config, path: Path, ckpt_dir: Path) -> bool:
-    """True when the run is already done (skip it). Raises when rerunning would lose work."""
-    if path.exists() and not conf.overwrite:
-        try:
-            done = json.loads(path.read_text())
-        except (OSError, ValueError):
-            raise RunError(f"{path} exists but is not a readable result: remove it, or rerun with "
-                           "overwrite=true") from None
-        # Result files are named by sketch, rho and seed only: the same name with another model or
-        # another patching layout (scheme=paper against ours) is a different run, not a done one.
-        method = {k: v for k, v in _method_settings(conf).items() if k != "rho"}
-        before = {k: v for k, v in (done.get("config") or {}).get("method", {}).items()
-                  if k != "rho"}
-        if done.get("model") != conf.model.name or (before and before != method):
-            raise RunError(
-                f"{path} holds a run of model {done.get('model')!r} with method {before}, not "
-                f"{conf.model.name!r} with {method}. Result files are named by sketch, rho and "
-                f"seed only: give this run its own experiment_name=..., or replace the file with "
-                f"overwrite=true")
-        return True
-    last = _last_checkpoint(ckpt_dir)
-    if last is not None and not conf.train.resume and not conf.overwrite:
-        raise RunError(f"{ckpt_dir} holds checkpoints of an interrupted run ({last.name}): "
-                       "train.resume=true continues it, overwrite=true starts over")
-    return False
 
 
 def _check_sources(conf: Config) -> Path | None:
@@ -260,8 +178,9 @@ def _history_callback():
     from transformers import TrainerCallback
 
     class EpochLogs(TrainerCallback):
-        """Log at every epoch end, so the per-epoch train loss can be read from the log history,
-        and stop on a non-finite loss. Remembers the token count where this session started."""
+        """Log at every epoch end, so the per-epoch train loss can be read from the log history;
+        stop on a non-finite loss, or after SIGTERM. Remembers the token count at which this
+        process started training (a resumed run counts only its own tokens)."""
 
         tokens_at_start = 0
 
@@ -270,6 +189,10 @@ def _history_callback():
 
         def on_epoch_end(self, args, state, control, **kwargs):
             control.should_log = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if _TERMINATED:
+                raise KeyboardInterrupt(f"signal {_TERMINATED[0]}")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             loss = (logs or {}).get("loss")
@@ -314,6 +237,21 @@ def _history(log_history: list[dict], conf: Config) -> list[dict]:
     return history
 
 
+def _with_memory_log(trainer_class):
+    """``trainer_class`` whose every training log entry carries the peak memory so far
+    (``memory/peak_bytes``: CUDA allocator peak, or the process peak RSS on CPU), so the logger
+    (wandb) plots memory beside the loss."""
+    from .measure import peak_memory_bytes
+
+    class MemoryLoggingTrainer(trainer_class):
+        def log(self, logs, *args, **kwargs):
+            if "loss" in logs:
+                logs = {**logs, "memory/peak_bytes": peak_memory_bytes(self.args.device)}
+            return super().log(logs, *args, **kwargs)
+
+    return MemoryLoggingTrainer
+
+
 def _metric_names(conf: Config) -> list[str]:
     return [m.value + d.suffix for d in conf.task.dev for m in conf.task.metrics]
 
@@ -336,22 +274,44 @@ def _saved_activation_bytes(model, collator, train_split, batch_size: int, devic
     return meter.bytes
 
 
-def _wandb_init(conf: Config, cfg: DictConfig, output_dir: Path):
+def _wandb_init(conf: Config, cfg: DictConfig, output_dir: Path, files: runs.RunFiles):
     import wandb
 
-    group = "default"
-    if HydraConfig.initialized():  # the overrides less the seed (hydra.job.config.override_dirname)
-        group = HydraConfig.get().job.override_dirname or "default"
     sketch, rho = _sketch_rho(conf)
+    stem = runs.run_stem(files.ident)
+    # The group is the recipe (the identity less the seed): a sweep's seeds aggregate in it.
     return wandb.init(
         project=conf.logger.project, entity=conf.logger.entity, mode=conf.logger.mode.value,
-        group=f"{_experiment(conf)}/{group}", name=f"{conf.task.name}-{_run_name(conf)}",
-        dir=str(output_dir), tags=[conf.task.name, conf.model.name, sketch, f"rho{rho}"],
-        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+        group=f"{files.experiment}/{conf.task.name}/{stem.rsplit('-seed', 1)[0]}-"
+              f"{runs.recipe_hash(files.ident)}",
+        name=f"{conf.task.name}-{stem}", dir=str(output_dir),
+        tags=[conf.task.name, conf.model.name, sketch, f"rho{rho}"],
+        config={**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                "identity": files.ident, "recipe": runs.recipe_hash(files.ident)})
+
+
+#: result.json keys copied into the wandb summary, so that a sweep's runs can be compared on the
+#: dashboard (memory and speed against rho) without opening a file.
+SUMMARY_KEYS = ("peak_memory_bytes", "saved_activation_bytes", "tokens_per_second",
+                "train_samples_per_second", "seconds_per_step", "torch_threads")
 
 
 # ---------------------------------------------------------------------------------------------
 # The run
+
+
+def _threads(conf: Config) -> int:
+    """``threads``, or the number of cores this process may use."""
+    if conf.threads is not None:
+        return conf.threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a run; the message says how to continue it."""
 
 
 def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=()) -> dict | None:
@@ -365,15 +325,20 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
     if output_dir is None:
         output_dir = HydraConfig.get().runtime.output_dir
     output_dir = Path(output_dir)
-    path, ckpt_dir = result_path(conf), _checkpoint_dir(conf)
-    if _check_previous(conf, path, ckpt_dir):
-        print(f"skip: {path} exists (overwrite=true reruns it)", flush=True)
-        log.info("skip: %s exists", path)
-        return None
     glue_dir = _check_sources(conf)
+    files = run_files(conf, cfg, glue_dir)
+    if files.done(conf.overwrite):
+        print(f"skip: {files.index} exists (overwrite=true reruns it)", flush=True)
+        return None
     # The code that runs is the checkout at the start: a commit made during a long run must not
     # be recorded as the run's.
-    commit, dirty = _git_commit()
+    commit, dirty = runs.git_commit(REPO_ROOT)
+    threads = _threads(conf)
+    print(f"run: {conf.task.name}, {conf.model.name}, {conf.method.sketch.value}"
+          f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
+          f"seed {conf.train.seed}, data from "
+          f"{'the hub ' + glue.HUB_DATASET if glue_dir is None else glue_dir}, {threads} torch "
+          f"threads; identity {runs.run_stem(files.ident)}", flush=True)
     raw = glue.load_glue(conf.task, glue_dir, conf.data.max_train_samples,
                          conf.data.max_eval_samples)
 
@@ -382,9 +347,10 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
 
     from . import measure, patch_linear
 
+    torch.set_num_threads(threads)
     tc, sketch_name = conf.train, conf.method.sketch.value
     args = TrainingArguments(
-        output_dir=str(ckpt_dir),
+        output_dir=str(files.checkpoints),
         per_device_train_batch_size=tc.batch_size,
         per_device_eval_batch_size=tc.eval_batch_size,
         learning_rate=tc.learning_rate,
@@ -407,21 +373,21 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         fp16=tc.precision.value == "fp16",
         seed=tc.seed,
         report_to=["wandb"] if conf.logger.name == "wandb" else "none",
-        run_name=f"{conf.task.name}-{_run_name(conf)}",
+        run_name=f"{conf.task.name}-{runs.run_stem(files.ident)}",
         dataloader_pin_memory=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),  # also what makes torchrun on CPUs use DDP (gloo)
         ddp_find_unused_parameters=False,  # every parameter of these models gets a gradient
     )
-    if conf.overwrite and args.process_index == 0:
-        _remove_checkpoints(ckpt_dir, Path(conf.checkpoints_dir))
-    resume_from = _last_checkpoint(ckpt_dir) if tc.resume else None
-    if tc.resume and resume_from is None:
-        log.info("train.resume: no checkpoint in %s, starting from scratch", ckpt_dir)
+    resume_from = files.resume_point(tc.resume, conf.overwrite, args.process_index == 0)
 
     with args.main_process_first(desc="tokenize"):
         set_seed(tc.seed)  # the new classifier head (or the whole random model) starts the same
         tokenizer, model = build_model(conf, raw["train"])
         data = glue.tokenize(raw, tokenizer, conf.task, tc.max_length)
+    if tc.gradient_checkpointing:
+        # Non-reentrant: saved tensors go through saved_tensors_hooks, so the saved-activation
+        # count below sees what checkpointing keeps.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     patched = []
     if sketch_name != "exact":
         m = conf.method
@@ -434,21 +400,31 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
 
     wandb_run = None
     if conf.logger.name == "wandb" and args.process_index == 0:
-        wandb_run = _wandb_init(conf, cfg, output_dir)
+        wandb_run = _wandb_init(conf, cfg, output_dir, files)
     collator = DataCollatorWithPadding(tokenizer)
     epoch_logs = _history_callback()
     if conf.method.track_variance and sketch_name != "exact":
         from .variance import VarianceCallback
 
         callbacks = [VarianceCallback(model=model), *callbacks]
-    trainer = Trainer(
+    trainer = _with_memory_log(Trainer)(
         model=model, args=args, data_collator=collator, processing_class=tokenizer,
         train_dataset=data["train"], eval_dataset={d.split: data[d.split] for d in conf.task.dev},
-        compute_metrics=glue.compute_metrics(conf.task), callbacks=[epoch_logs, *callbacks])
+        compute_metrics=glue.compute_metrics(conf.task),
+        callbacks=[epoch_logs, *callbacks])
     device = args.device
     measure.reset_peak_memory(device)
     try:
-        out = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        try:
+            out = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        except KeyboardInterrupt:
+            last, _ = runs.newest_complete_checkpoint(files.checkpoints)
+            where = (f"it continues from {last}" if last is not None else
+                     "no checkpoint was complete yet (one is saved at each epoch end), so it "
+                     "starts again")
+            raise Interrupted(
+                f"interrupted at step {trainer.state.global_step}. Run the same command again "
+                f"and {where}:\n  {shlex.join(sys.orig_argv)}") from None
         peak = measure.peak_memory_bytes(device)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16 if tc.precision.value == "bf16"
                                   else torch.float16, enabled=tc.precision.value != "fp32")
@@ -456,11 +432,12 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
                                         autocast)
         history = _history(trainer.state.log_history, conf)
         if not history:
-            raise RunError("training ended without an evaluation; nothing to report")
+            raise runs.RunError("training ended without an evaluation; nothing to report")
         paper_metric = _metric_names(conf)[0]
         best = max(history, key=lambda h: -math.inf if h.get(paper_metric) is None
                    else h[paper_metric])
         runtime = out.metrics["train_runtime"]
+        steps_here = trainer.state.global_step - (_step_of(resume_from) if resume_from else 0)
         tokens = trainer.state.num_input_tokens_seen - epoch_logs.tokens_at_start
         sketch, rho = _sketch_rho(conf)
         result = {
@@ -469,27 +446,34 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             "sketch": sketch,
             "rho": rho,
             "seed": tc.seed,
+            "identity": files.ident,
+            "recipe": runs.recipe_hash(files.ident),
+            "kept": files.kept,
             "epochs": round(trainer.state.epoch, 4),
             "metrics": {k: history[-1].get(k) for k in _metric_names(conf)},
             "best_metrics": {"epoch": best["epoch"],
                              **{k: best.get(k) for k in _metric_names(conf)}},
             "history": history,
             # Train loss at every logging step (Figure 5 draws it against the per-epoch dev loss).
-            "loss_curve": [{"step": e["step"], "epoch": e.get("epoch"), "loss": _finite(e["loss"])}
+            "loss_curve": [{"step": e["step"], "epoch": e.get("epoch"),
+                            "loss": runs.finite(e["loss"])}
                            for e in trainer.state.log_history if "loss" in e and "step" in e],
             "train_samples_per_second": out.metrics["train_samples_per_second"],
             "tokens_per_second": tokens / runtime if runtime > 0 else None,
+            "seconds_per_step": runtime / steps_here if steps_here > 0 else None,
             "peak_memory_bytes": peak,
             "saved_activation_bytes": saved,
+            "gradient_checkpointing": tc.gradient_checkpointing,
             "device": (f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
                        else device.type),
             "hardware": _hardware(device),
+            "torch_threads": threads,
             "world_size": args.world_size,
             "torch_version": torch.__version__,
             "git_commit": commit,
             "git_dirty": dirty,
             "wall_seconds": None,  # set just before writing
-            "experiment": _experiment(conf),
+            "experiment": files.experiment,
             "train_loss": out.metrics.get("train_loss"),
             "train_runtime": runtime,
             "global_step": trainer.state.global_step,
@@ -507,26 +491,57 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             result["variance"] = collect(model)
         if trainer.is_world_process_zero():
             result["wall_seconds"] = time.time() - start
-            _write_json(output_dir / "result.json", result)
-            _write_json(path, result)
-            _remove_checkpoints(ckpt_dir, Path(conf.checkpoints_dir))
-            log.info("result: %s %s", path, json.dumps(result["metrics"]))
+            files.finish(result, output_dir)
+            log.info("result: %s %s", files.index, json.dumps(result["metrics"]))
             if wandb_run is not None:
-                wandb_run.summary.update({f"final/{k}": v for k, v in result["metrics"].items()})
+                wandb_run.summary.update({
+                    **{f"final/{k}": v for k, v in result["metrics"].items()},
+                    **{f"best/{k}": v for k, v in result["best_metrics"].items()},
+                    **{k: result[k] for k in SUMMARY_KEYS}, "recipe": result["recipe"],
+                    "identity": files.ident})
         return result
     finally:
         if wandb_run is not None:
             wandb_run.finish()
 
 
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
+def _raise_interrupt(signum, frame):
+    _TERMINATED.append(signum)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    """The Hydra entry point; expected failures exit with a one-paragraph message."""
+    """The Hydra entry point. Expected failures print a one-paragraph message; in a sweep a
+    failed job is recorded and the sweep goes on (:class:`sketchprop.runs.SweepSummary`)."""
+    from hydra.types import RunMode
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
     try:
         run(cfg)
-    except (ConfigError, RunError, glue.GlueDataError, FloatingPointError) as err:
+    except Interrupted as err:
+        print(f"\n{err}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted before training started; run the same command again:\n  "
+              f"{shlex.join(sys.orig_argv)}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except (ConfigError, runs.RunError, glue.GlueDataError, FloatingPointError) as err:
         log.error("%s", err)
-        sys.exit(1)
+        if not sweep:
+            sys.exit(1)
+        runs.record_failure(Path(hc.runtime.output_dir), err, list(hc.overrides.task))
+    except Exception as err:  # a bug: the traceback goes to the log; a sweep still goes on
+        if not sweep:
+            raise
+        log.exception("job failed")
+        runs.record_failure(Path(hc.runtime.output_dir), err, list(hc.overrides.task))
 
 
 if __name__ == "__main__":
