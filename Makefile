@@ -37,12 +37,15 @@ glue: install  ## fine-tune one GLUE run: make glue TASK=cola RHO=0.1 SKETCH=gau
 		$(if $(SKETCH),method=$(SKETCH)) $(if $(RHO),method.rho=$(RHO)) \
 		$(if $(SEED),train.seed=$(SEED)) $(ARGS)
 
-smoke: install  ## tiny random RoBERTa end to end on toy GLUE files in a temp dir (about a minute)
-	@tmp=$$(mktemp -d) && \
-	$(PY) -m sketchprop.glue $$tmp/glue && \
-	$(PY) -m sketchprop.train experiment=smoke data.glue_dir=$$tmp/glue hydra.run.dir=$$tmp/run \
-		results_dir=$$tmp/results checkpoints_dir=$$tmp/checkpoints $(ARGS) && \
-	echo "smoke: $$tmp/run/result.json"
+# Everything smoke writes (toy data, run folder, result copy, checkpoints) stays under $(SMOKE).
+SMOKE ?= outputs/smoke
+
+smoke: install  ## tiny random RoBERTa end to end on toy GLUE files, all under outputs/smoke/ (about a minute)
+	$(if $(SMOKE),rm -rf -- "$(SMOKE)")
+	$(PY) -m sketchprop.glue $(SMOKE)/glue
+	$(PY) -m sketchprop.train experiment=smoke data.glue_dir=$(SMOKE)/glue hydra.run.dir=$(SMOKE)/run \
+		results_dir=$(SMOKE)/results checkpoints_dir=$(SMOKE)/checkpoints $(ARGS)
+	@echo "smoke: $(SMOKE)/run/result.json"
 
 # ---------------------------------------------------------------------------------------------
 # The paper's tables and figures. Each runs resumable Hydra sweeps (finished runs are skipped);
