@@ -29,6 +29,28 @@ import torch  # noqa: E402
 from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch  # noqa: E402
 
 RESULTS = ROOT / "results" / "bench"
+# The GLUE files shipped with the code (data/glue/SOURCES.md); GLUE_DIR points elsewhere.
+GLUE = ROOT / "data" / "glue"
+
+
+def default_glue_dir() -> str:
+    """``$GLUE_DIR`` when set, else the shipped ``data/glue``."""
+    return os.environ.get("GLUE_DIR") or str(GLUE)
+
+
+def usable_cores() -> int:
+    """The number of cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def add_threads_arg(parser) -> None:
+    """``--threads``: torch threads while measuring (default: every core this process may use)."""
+    parser.add_argument("--threads", type=int, default=usable_cores(),
+                        help="torch threads while measuring (default: the cores this process may "
+                             f"use, here {usable_cores()})")
 
 
 def parse_list(text: str, kind=str) -> list:
@@ -48,9 +70,16 @@ def sketch_from_spec(spec: str) -> Sketch:
     return SKETCHES[spec]
 
 
-def setup_device(name: str, threads: int | None) -> torch.device:
-    if threads:
-        torch.set_num_threads(threads)
+def setup_device(name: str, threads: int | None, *, quiet: bool = False) -> torch.device:
+    """Set torch's thread count (``None``: every usable core) and return the device; the thread
+    count is printed unless ``quiet`` (child processes whose stdout is parsed)."""
+    threads = threads or usable_cores()
+    if threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    if not quiet:
+        print(f"torch threads: {torch.get_num_threads()} (this process may use {usable_cores()} "
+              f"cores)", flush=True)
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda given but torch.cuda.is_available() is False")
@@ -88,6 +117,7 @@ def environment(dev: torch.device) -> dict:
         "device": str(dev),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

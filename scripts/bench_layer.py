@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--min-sample-ms", type=float, default=20.0)
     p.add_argument("--every", type=int, default=2, help="configurations between baseline samples")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    bu.add_threads_arg(p)
     p.add_argument("--quick", action="store_true", help="tiny shapes, 1 repeat: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")

@@ -32,8 +32,10 @@ Parts (``--parts``):
   on CPU, with glibc returning large freed blocks to the system at once; it never goes down within
   a process), or the CUDA allocator peak.
 
-HF checkpointing is used with ``use_reentrant=True`` so that the checkpointed inputs are visible
-to the saved-tensor hooks (the non-reentrant variant hides them); the memory it keeps is the same.
+HF checkpointing runs with ``use_reentrant=True`` here (the committed ``results/bench`` runs used
+it); ``scripts/memory_table.py`` uses ``use_reentrant=False``. Both save each checkpointed layer's
+inputs through autograd's saved-tensor hooks, so ``SavedTensorMeter`` counts the same bytes for
+either (``tests/test_budget.py`` checks this on a small model).
 
     PYTHONPATH=src python scripts/bench_model.py --device cpu --models roberta-base
     PYTHONPATH=src python scripts/bench_model.py --quick          # tiny models, seconds
@@ -72,13 +74,7 @@ FIXED_PROFILE = [50, 60, 49, 37, 52, 39, 47, 29, 61, 39, 57, 42, 59, 79, 52, 54]
 TASKS = {"MRPC": (3, 4), "SST-2": (0, None), "CoLA": (3, None), "RTE": (1, 2), "STS-B": (7, 8)}
 
 
-def default_glue_dir() -> str | None:
-    if os.environ.get("GLUE_DIR"):
-        return os.environ["GLUE_DIR"]
-    for cand in (bu.ROOT.parent / "shared" / "data" / "glue", bu.ROOT / "shared" / "data" / "glue"):
-        if cand.is_dir():
-            return str(cand)
-    return None
+default_glue_dir = bu.default_glue_dir  # $GLUE_DIR, else the shipped data/glue
 
 
 def minilm_path() -> str | None:
@@ -215,7 +211,8 @@ class Configured:
             patch_linear(self.model, **self.method["patch"])
         if self.method["ckpt"]:
             self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": True})
+                gradient_checkpointing_kwargs=self.method.get("ckpt_kwargs",
+                                                              {"use_reentrant": True}))
         return self
 
     def __exit__(self, *exc):
@@ -320,7 +317,7 @@ def memory_child(args) -> None:
     the training steps only (loading a pretrained model or a tokenizer can peak higher than a
     small model's training step); elsewhere it is the peak of the whole process."""
     method = json.loads(args.child)
-    dev = bu.setup_device(args.device, args.threads)
+    dev = bu.setup_device(args.device, args.threads, quiet=True)
     model = build_model(args.model_one, args.quick).to(dev).train()
     batch, _ = make_batch(args.model_one, model, args)
     batch = to_device(batch, dev)
@@ -365,8 +362,7 @@ def memory_in_subprocess(model_name, method, args) -> dict:
            "--seq", str(args.seq), "--task", args.task]
     if args.glue_dir:
         cmd += ["--glue-dir", args.glue_dir]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads)]
     if args.quick:
         cmd.append("--quick")
     return run_memory_child(cmd, method["name"])
@@ -547,7 +543,7 @@ def main(argv=None) -> None:
                         "every method once, else 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=3, help="methods between baseline steps")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    bu.add_threads_arg(p)
     p.add_argument("--quick", action="store_true", help="tiny models and batch: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")

@@ -5,7 +5,7 @@ The README's prose is written by hand; every number in it sits between markers
 benchmark scripts wrote (``results/bench/*.json``). Blocks:
 
 - ``runs``: each run's command, hardware, torch threads, load average at start and end, commit;
-- ``targets``: every target of issue 4 with the measured value, its margin and pass / miss;
+- ``targets``: every speed and memory target of the benchmarks with the measured value and met / missed;
 - ``<stem>``: the markdown tables of one run (``results/bench/<stem>.md``).
 
     python scripts/bench_report.py            # rewrite results/bench/README.md in place

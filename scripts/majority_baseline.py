@@ -5,7 +5,9 @@ training score: every correlation is then undefined and reported as None). Write
 ``results/baselines/majority.json``; ``scripts/make_tables.py`` adds it to Table 2 as the floor an
 exact baseline must clear to be credible.
 
-    python scripts/majority_baseline.py --glue-dir ../shared/data/glue    # make table2-cpu runs it
+    python scripts/majority_baseline.py     # make table2-cpu runs it; GLUE files: data/glue
+
+``--glue-dir`` defaults to ``$GLUE_DIR``, else the GLUE files shipped in ``data/glue``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def majority(task_name: str, glue_dir: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--glue-dir", default=os.environ.get("GLUE_DIR"))
+    p.add_argument("--glue-dir", default=os.environ.get("GLUE_DIR") or str(ROOT / "data" / "glue"))
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--out", default=str(ROOT / "results" / "baselines" / "majority.json"))
     args = p.parse_args(argv)

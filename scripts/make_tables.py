@@ -37,8 +37,9 @@ SKETCH_ORDER = ["exact", "gaussian", "rademacher", "dct", "dft", "blocksrht", "r
 # Table 2's methods: the paper's Gaussian and the recommended sketch (the others are Table 4's).
 TABLE2_SKETCHES = ("exact", "gaussian", "blocksrht")
 
-# From the authors' saved notebook output (reference/paper-facts.md, Table 4): CoLA, roberta-base,
-# Matthews corr. x100 at the best of 10 epochs, and the 10-epoch training time.
+# The paper's Table 4 (Bershatsky et al. 2022), as the authors' saved notebook output gives it:
+# CoLA, roberta-base, Matthews corr. x100 at the best of 10 epochs, and the 10-epoch training time
+# on one GPU.
 PAPER_TABLE4 = {
     ("exact", 1.0): (60.90, "08:44"),
     ("gaussian", 0.5): (58.60, "10:36"), ("gaussian", 0.2): (57.79, "10:02"),
@@ -48,7 +49,9 @@ PAPER_TABLE4 = {
     ("dct", 0.5): (59.17, "16:26"), ("dct", 0.2): (58.81, "16:37"), ("dct", 0.1): (53.38, "17:24"),
     ("dft", 0.5): (59.05, "12:20"), ("dft", 0.2): (60.60, "11:42"), ("dft", 0.1): (47.62, "12:25"),
 }
-# Table 3 of the paper (GiB, roberta-base, Gaussian, peak GPU memory; "~" read off a figure).
+# The paper's Table 3 (Bershatsky et al. 2022): peak GPU memory in GiB over one epoch, roberta-base,
+# Gaussian sketch; MRPC's exact value from the authors' README, values marked "~" read off their
+# saved figure (about +-0.1 GiB).
 PAPER_TABLE3 = {
     ("mrpc", 128): ("11.30", "~10.64", "9.20", "~8.72"),
     ("sst2", 256): ("~13.36", "~12.56", "~10.56", "~9.92"),

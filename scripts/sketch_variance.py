@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--glue-dir", default=bm.default_glue_dir())
-    p.add_argument("--threads", type=int, default=None)
+    bu.add_threads_arg(p)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
