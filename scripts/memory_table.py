@@ -14,16 +14,25 @@ ids of those lengths. Per point and method:
   optimizer state already allocated) in a fresh process: peak RSS on CPU, the CUDA allocator's
   peak on a GPU. This is what the paper's Table 3 measures on its GPU.
 
-Methods: ``exact``; ``paper`` (the authors' layout: Gaussian in every ``nn.Linear`` including the
-head, one sketch per layer, padding rows sketched, ``B_proj >= 3``) and ``ours`` (``--sketch``, the
-recommended one: Q/K/V share one sketch, padding rows skipped, head exact), each at rho 0.5, 0.2,
-0.1. The analytic limit is the exact model's bytes with every input that only the patched linear
-layers save stored at exactly rho of its size.
+Methods (``--methods``): ``exact``; ``paper`` (the authors' layout: Gaussian in every ``nn.Linear``
+including the head, one sketch per layer, padding rows sketched, ``B_proj >= 3``) and ``ours``
+(``--sketch``, the recommended one: Q/K/V share one sketch, padding rows skipped, head exact), each
+at rho 0.5, 0.2, 0.1; ``ckpt`` (the exact model with HF activation checkpointing,
+``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``: each
+encoder layer keeps only its input and recomputes the rest in backward) and ``ckpt+ours``
+(checkpointing and our layers together, at each rate). The saved-tensor hooks see what
+checkpointing keeps: the non-reentrant variant saves each layer's inputs through them
+(``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one). The
+analytic limit is the exact model's bytes with every input that only the patched linear layers
+save stored at exactly rho of its size.
 
 Points: ``table3`` (the paper's: MRPC 128, SST-2 256, QNLI 16, CoLA 256) and ``figure3`` (CoLA,
 batch 8 to 128; the 256 point is Table 3's). One JSON file per point in ``results/memory/``,
-written when the point is done; a point already there is skipped, or only the parts it lacks are
-measured and added (``--overwrite`` redoes it), so an interrupted run resumes.
+written when the point is done; a point already there is skipped, or only the methods and parts it
+lacks are measured and added (``--overwrite`` redoes it), so an interrupted run resumes and a new
+method is added to old points. ``--glue-dir`` defaults to ``$GLUE_DIR``, else the shipped
+``data/glue`` (which has no QNLI: its point needs a GLUE folder with ``QNLI/dev.tsv``, unless its
+file is already complete).
 ``scripts/make_tables.py`` builds ``table3.md`` and ``figure3_memory.png`` from these files.
 
     python scripts/memory_table.py --points table3 --parts bytes            # make memory runs
@@ -66,16 +75,47 @@ RHOS = (0.5, 0.2, 0.1)
 MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
 
 
-def methods(sketch: str) -> dict[str, dict | None]:
-    """Name -> ``patch_linear`` keyword arguments (None: the exact model)."""
-    out: dict[str, dict | None] = {"exact": None}
-    for rho in RHOS:
-        out[f"paper@{rho:g}"] = dict(
-            sketch="gaussian", rho=rho, share_inputs=False, skip_padding=False, min_rows=3
-        )
-    for rho in RHOS:
-        out[f"ours@{rho:g}"] = dict(sketch=sketch, rho=rho, exclude="classifier")
+METHOD_KINDS = ("exact", "ckpt", "paper", "ours", "ckpt+ours")
+# Record key of each part in a method's record.
+PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}
+# HF checkpointing as the memory table runs it (see the module docstring).
+CKPT_KWARGS = {"use_reentrant": False}
+
+
+def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
+    """Name -> ``{"patch": patch_linear keyword arguments or None, "ckpt": bool}``. Names are
+    ``exact``, ``ckpt`` and ``<kind>@<rho>`` for the per-rate kinds."""
+    out: dict[str, dict] = {}
+    if "exact" in kinds:
+        out["exact"] = {"patch": None, "ckpt": False}
+    if "ckpt" in kinds:
+        out["ckpt"] = {"patch": None, "ckpt": True}
+    for kind in ("paper", "ours", "ckpt+ours"):
+        if kind not in kinds:
+            continue
+        for rho in RHOS:
+            if kind == "paper":
+                patch = dict(sketch="gaussian", rho=rho, share_inputs=False, skip_padding=False,
+                             min_rows=3)
+            else:
+                patch = dict(sketch=sketch, rho=rho, exclude="classifier")
+            out[f"{kind}@{rho:g}"] = {"patch": patch, "ckpt": kind.startswith("ckpt")}
     return out
+
+
+def configured(model, method: dict):
+    """``bench_model.Configured`` for a memory-table method (checkpointing non-reentrant)."""
+    return bm.Configured(model, {"patch": method["patch"], "ckpt": method["ckpt"],
+                                 "ckpt_kwargs": CKPT_KWARGS})
+
+
+def record(point: dict | None, name: str) -> dict:
+    """The record of method ``name`` in a point file (empty if absent)."""
+    if not point:
+        return {}
+    group, _, rho = name.partition("@")
+    slot = point.get(group) or {}
+    return slot.get(rho, {}) if rho else slot
 
 
 def read_dev(glue_dir: Path, task: str) -> list[tuple[str, str | None]]:
@@ -140,12 +180,12 @@ def labelled(meter: SavedTensorMeter, modules, label: str):
             h.remove()
 
 
-def saved_bytes(model, batch, patch: dict | None) -> int:
+def saved_bytes(model, batch, method: dict) -> int:
     """Bytes autograd saves in one forward pass, counted and dropped as they are saved (the pass is
     never backpropagated), so that batches whose activations exceed this machine's memory fit.
     What the randomized layers save is kept: Q, K and V find their shared sketch through a weak
     reference, and a dropped one would be recomputed."""
-    with torch.enable_grad(), bm.Configured(model, {"patch": patch, "ckpt": False}):
+    with torch.enable_grad(), configured(model, method):
         with SavedTensorMeter(model, discard=True, keep_labels={"randomized"}) as meter:
             randomized = [m for m in model.modules() if isinstance(m, RandomizedLinear)]
             with labelled(meter, randomized, "randomized"):
@@ -177,9 +217,13 @@ def analytic_limit(model, batch) -> dict:
 
 
 def memory_child(args) -> None:
-    """In a fresh process: one steady-state training step of one method; print its peak."""
-    patch = json.loads(args.child)
-    dev = bu.setup_device(args.device, args.threads)
+    """In a fresh process: one steady-state training step of one method; print its peak.
+    ``--child`` is a method (``{"patch": ..., "ckpt": ...}``), a bare ``patch_linear`` keyword
+    dict, or ``null`` (the exact model)."""
+    method = json.loads(args.child)
+    if not (isinstance(method, dict) and "ckpt" in method):
+        method = {"patch": method, "ckpt": False}
+    dev = bu.setup_device(args.device, args.threads, quiet=True)
     model = bm.build_model("roberta-base", args.quick).to(dev).train()
     batch = {k: v.to(dev) for k, v in make_batch(model, json.loads(args.lengths)).items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -196,7 +240,7 @@ def memory_child(args) -> None:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
-    with bm.Configured(model, {"patch": patch, "ckpt": False}):
+    with configured(model, method):
         loss = model(**batch).loss
         loss.backward()
         opt.step()
@@ -214,29 +258,30 @@ def memory_child(args) -> None:
     print("RESULT " + json.dumps(res))
 
 
-def peak_in_subprocess(patch: dict | None, lengths: list[int], args) -> dict:
+def peak_in_subprocess(method: dict, lengths: list[int], args) -> dict:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--child",
-        json.dumps(patch),
+        json.dumps(method),
         "--lengths",
         json.dumps(lengths),
         "--device",
         args.device,
     ]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads)]
     if args.quick:
         cmd.append("--quick")
     # bench_model's runner: the same glibc settings, so the peak RSS follows live tensors.
-    return bm.run_memory_child(cmd, f"{patch}", timeout=3600)
+    return bm.run_memory_child(cmd, f"{method}", timeout=3600)
 
 
 # ------------------------------------------------------------------------------------------- main
 
 
-def run_point(table: str, task: str, batch_size: int, args, env: dict) -> dict:
+def run_point(table: str, task: str, batch_size: int, args, env: dict,
+              needs: dict[str, list[str]], need_limit: bool) -> dict:
+    """Measure the parts ``needs`` names for each method (and the analytic limit if asked)."""
     lengths, source = lengths_for(args.glue_dir, task, batch_size)
     model = bm.build_model("roberta-base", args.quick).to(args.dev).train()
     batch = {k: v.to(args.dev) for k, v in make_batch(model, lengths).items()}
@@ -248,45 +293,55 @@ def run_point(table: str, task: str, batch_size: int, args, env: dict) -> dict:
         "padded_tokens": len(lengths) * max(lengths),
         "lengths_source": source,
         "model": "roberta-base (random weights)" + (" --quick: tiny" if args.quick else ""),
-        "parts": args.part_list,
+        "parts": sorted({x for parts in needs.values() for x in parts}
+                        | ({"bytes"} if need_limit else set())),
         "command": env["command"],
         "hardware": f"{env['cpu']} ({env['cpu_count']} cores), {env['torch_threads']} torch threads",
         "environment": env,
-        "paper": {},
-        "ours": {},
     }
-    if "bytes" in args.part_list:
+    if need_limit:
         point.update(analytic_limit(model, batch))
-    for name, patch in methods(args.sketch).items():
+    all_methods = methods(args.sketch)
+    for name, parts in needs.items():
+        method = all_methods[name]
         rec = {}
-        if "bytes" in args.part_list:
-            rec["saved_activation_bytes"] = saved_bytes(model, batch, patch)
-        if "memory" in args.part_list:
-            rec["peak_memory"] = peak_in_subprocess(patch, lengths, args)
-        if patch is not None:
-            rec["patch"] = patch
-        scheme, _, rho = name.partition("@")
+        if "bytes" in parts:
+            rec["saved_activation_bytes"] = saved_bytes(model, batch, method)
+        if "memory" in parts:
+            rec["peak_memory"] = peak_in_subprocess(method, lengths, args)
+        if method["patch"] is not None:
+            rec["patch"] = method["patch"]
+        if method["ckpt"]:
+            rec["checkpointing"] = CKPT_KWARGS
+        group, _, rho = name.partition("@")
         if rho:
-            point[scheme][rho] = rec
+            point.setdefault(group, {})[rho] = rec
         else:
-            point["exact"] = rec
+            point[group] = rec
         shown = [f"{rec[k] / 2**20:8.1f} MiB saved" for k in ("saved_activation_bytes",) if k in rec]
         if "peak_memory" in rec:
             shown.append(f"{rec['peak_memory']['peak_bytes'] / 2**20:8.1f} MiB peak")
-        print(f"  {name:<10} {'  '.join(shown)}", flush=True)
+        print(f"  {name:<14} {'  '.join(shown)}", flush=True)
     del model
     gc.collect()
     return point
 
 
+SINGLE = ("exact", "ckpt")  # one record per point
+PER_RHO = ("paper", "ours", "ckpt+ours")  # one record per rate
+
+
 def merge(old: dict, new: dict) -> dict:
-    """``old`` with the parts measured in ``new`` added (method records merged key by key)."""
-    out = {**new, **{k: v for k, v in old.items() if k not in ("exact", "paper", "ours")}}
-    out["exact"] = {**old["exact"], **new["exact"]}
-    for scheme in ("paper", "ours"):
-        out[scheme] = {
-            r: {**old[scheme].get(r, {}), **new[scheme].get(r, {})} for r in {*old[scheme], *new[scheme]}
-        }
+    """``old`` with the methods and parts measured in ``new`` added (records merged key by key)."""
+    groups = SINGLE + PER_RHO
+    out = {**new, **{k: v for k, v in old.items() if k not in groups}}
+    for key in SINGLE:
+        if key in old or key in new:
+            out[key] = {**old.get(key, {}), **new.get(key, {})}
+    for key in PER_RHO:
+        if key in old or key in new:
+            a, b = old.get(key, {}), new.get(key, {})
+            out[key] = {r: {**a.get(r, {}), **b.get(r, {})} for r in {*a, *b}}
     out["parts"] = sorted({*old["parts"], *new["parts"]})
     out["command"] = old["command"] + " ; " + new["command"]
     out["wall_seconds"] = old.get("wall_seconds", 0) + new["wall_seconds"]
@@ -297,11 +352,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="table3,figure3", help="table3, figure3 or both")
     p.add_argument("--parts", default="bytes", help="bytes, memory or both")
+    p.add_argument("--methods", default=",".join(METHOD_KINDS),
+                   help=f"any of {', '.join(METHOD_KINDS)} (default: all)")
     p.add_argument("--tasks", default=None, help="only these tasks' points (e.g. CoLA,MRPC)")
     p.add_argument("--sketch", default="blocksrht", help="our sketch (default: the recommended)")
     p.add_argument("--glue-dir", default=bm.default_glue_dir())
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
+    bu.add_threads_arg(p)
     p.add_argument("--out-dir", default=str(bu.ROOT / "results" / "memory"))
     p.add_argument("--overwrite", action="store_true", help="redo points whose file exists")
     p.add_argument("--quick", action="store_true", help="tiny model and batches: a smoke test")
@@ -316,6 +373,10 @@ def main(argv=None) -> None:
     bad = [x for x in args.part_list if x not in ("bytes", "memory")]
     if bad or not args.part_list:
         p.error(f"--parts: unknown {bad}; choose from bytes, memory")
+    kinds = bu.parse_list(args.methods)
+    bad = [k for k in kinds if k not in METHOD_KINDS]
+    if bad or not kinds:
+        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHOD_KINDS)}")
     tables = bu.parse_list(args.points)
     bad = [t for t in tables if t not in POINTS]
     if bad or not tables:
@@ -330,25 +391,38 @@ def main(argv=None) -> None:
     if not args.glue_dir:
         p.error("no GLUE folder: pass --glue-dir or set GLUE_DIR")
     args.glue_dir = Path(args.glue_dir)
-    missing = sorted({task for _, task, _ in todo if not (args.glue_dir / task / "dev.tsv").is_file()})
-    if missing:
-        p.error(f"{args.glue_dir} lacks dev.tsv for {', '.join(missing)}")
     out = Path(args.out_dir)
-    args.dev = bu.setup_device(args.device, args.threads)
-    env = bu.environment(args.dev)
+    names = list(methods(args.sketch, kinds))
     requested = args.part_list
+    plan = []  # (table, task, batch, path, old file, {method: parts to measure}, limit needed)
     for table, task, b in todo:
         path = out / f"{table}-{task.lower().replace('-', '')}-b{b}.json"
         old = json.loads(path.read_text()) if path.exists() and not args.overwrite else None
-        args.part_list = [x for x in requested if old is None or x not in old["parts"]]
-        if not args.part_list:
-            print(f"{path.name}: has {', '.join(requested)}, skipped", flush=True)
+        needs = {}
+        for name in names:
+            have = record(old, name)
+            missing = [x for x in requested if PART_KEY[x] not in have]
+            if missing:
+                needs[name] = missing
+        need_limit = "bytes" in requested and (old is None or "limit" not in old)
+        plan.append((table, task, b, path, old, needs, need_limit))
+    missing = sorted({task for _, task, _, _, _, needs, lim in plan
+                      if (needs or lim) and not (args.glue_dir / task / "dev.tsv").is_file()})
+    if missing:
+        p.error(f"{args.glue_dir} lacks dev.tsv for {', '.join(missing)}")
+    args.dev = bu.setup_device(args.device, args.threads)
+    env = bu.environment(args.dev)
+    for table, task, b, path, old, needs, need_limit in plan:
+        if not needs and not need_limit:
+            print(f"{path.name}: has {', '.join(requested)} of {', '.join(kinds)}, skipped",
+                  flush=True)
             continue
-        print(f"{table}: {task}, batch {b}: {', '.join(args.part_list)}", flush=True)
+        print(f"{table}: {task}, batch {b}: "
+              + "; ".join(f"{n} {'+'.join(ps)}" for n, ps in needs.items()), flush=True)
         t0 = time.perf_counter()
-        point = run_point(table, task, b, args, env)
+        point = run_point(table, task, b, args, env, needs, need_limit)
         point["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        if old is not None:  # add the new parts to what the file already holds
+        if old is not None:  # add the new methods and parts to what the file already holds
             point = merge(old, point)
         out.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
