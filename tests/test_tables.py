@@ -48,12 +48,46 @@ def write_runs(results: Path):
         path.write_text(json.dumps(r))
 
 
+def write_bench(results: Path):
+    """Controlled-benchmark files as scripts/bench_model.py and bench_layer.py write them."""
+    bench = results / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+
+    def timed(ratios):
+        return {"time": {"ratios": ratios, "median_s": 1.0}}
+
+    env = {"torch_threads": 1, "device": "cpu", "cpu": "test CPU"}
+    model = {"environment": env, "args": {"batch": 16, "seq": 128, "task": "MRPC"},
+             "results": [{"model": "minilm", "batch": {"source": "MRPC dev, test tokenizer"},
+                          "methods": {"exact": timed([1.0, 1.0, 1.0]),
+                                      "paper@0.1": timed([1.0, 1.1, 1.2]),
+                                      "ours-blocksrht@0.1": timed([0.7, 0.8, 0.9]),
+                                      "ckpt": timed([1.2, 1.3, 1.4]),
+                                      "ckpt+ours-blocksrht@0.1": timed([0.9, 1.0, 1.1])}}]}
+    (bench / "model_cpu_test.json").write_text(json.dumps(model))
+    # A second run of the same setting is pooled; a --quick run and another thread count are not.
+    model["results"][0]["methods"] = {"exact": timed([1.0]), "ours-blocksrht@0.1": timed([0.6])}
+    (bench / "model_cpu_test2.json").write_text(json.dumps(model))
+    (bench / "model_cpu_quick.json").write_text(json.dumps(
+        {**model, "results": [{**model["results"][0], "methods": {"ours-blocksrht@0.1":
+                                                                 timed([9.0])}}]}))
+    other = {**model, "environment": {**env, "torch_threads": 2}}
+    other["results"] = [{**model["results"][0], "methods": {"ours-blocksrht@0.1": timed([9.0])}}]
+    (bench / "model_cpu_t2.json").write_text(json.dumps(other))
+    layer = {"environment": env, "groups": [{"shape": "768x3072", "rows": 4096, "configs": {
+        "nn.Linear": {"ratios": [1.0, 1.0]}, "gaussian@0.1": {"ratios": [0.9, 0.95]},
+        "blocksrht@0.1": {"ratios": [0.75, 0.8, 0.85]}}},
+        {"shape": "768x768", "rows": 4096, "configs": {"blocksrht@0.1": {"ratios": [5.0]}}}]}
+    (bench / "layer_cpu.json").write_text(json.dumps(layer))
+
+
 def digest(folder: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*.*"))}
 
 
 def test_tables_and_figures_from_json_only_and_deterministic(make_tables, tmp_path):
     write_runs(tmp_path)
+    write_bench(tmp_path)
     make_tables.main(["--results", str(tmp_path)])
     table2 = (tmp_path / "tables" / "table2.md").read_text()
     table4 = (tmp_path / "tables" / "table4.md").read_text()
@@ -63,13 +97,84 @@ def test_tables_and_figures_from_json_only_and_deterministic(make_tables, tmp_pa
     row = next(line for line in table2.splitlines() if "gaussian (paper) rho=0.1" in line)
     assert "46.00 [-6.00]" in row and "56.52" in row and "78.00 [-2.00]" in row
     row = next(line for line in table4.splitlines() if line.startswith("| blocksrht"))
-    assert "| ours |" in row and "0.80x" in row and "01:20" in row
-    assert "test CPU" in table4
+    # Speed from the controlled benchmark only: the step ratios of both same-setting runs pooled
+    # (0.7, 0.8, 0.9, 0.6: median 0.75), the layer's 768x3072 group; no wall time of the runs.
+    assert "| ours |" in row and "| 0.75 (0.67-0.83) |" in row and "| 0.80 (0.78-0.82) |" in row
+    assert "01:20" not in table4 and "0.80x" not in table4 and "samples/s" not in table4
+    row = next(line for line in table4.splitlines() if "| gaussian | paper | 0.1 |" in line)
+    assert "| 1.10 (1.05-1.15) |" in row and "| 0.93 (0.91-0.94) |" in row
+    assert "test CPU" in table4 and "model_cpu_test, model_cpu_test2" in table4
     for name in ("figure5_loss.png", "figure6_throughput.png"):
         assert (tmp_path / "figures" / name).stat().st_size > 0
     first = digest(tmp_path / "tables") | digest(tmp_path / "figures")
     make_tables.main(["--results", str(tmp_path)])
     assert digest(tmp_path / "tables") | digest(tmp_path / "figures") == first
+
+
+def test_no_benchmark_no_speed(make_tables, tmp_path):
+    """Without results/bench no speed is shown anywhere: Table 4 has '-' and Figure 6 is not drawn
+    (the runs' own times are never used)."""
+    write_runs(tmp_path)
+    make_tables.main(["--results", str(tmp_path)])
+    row = next(line for line in (tmp_path / "tables" / "table4.md").read_text().splitlines()
+               if line.startswith("| blocksrht"))
+    assert row.count("| - |") >= 2 and "01:20" not in row
+    assert not (tmp_path / "figures" / "figure6_throughput.png").exists()
+
+
+def memory_point(table, task, batch, exact, ckpt=True, peak=False):
+    """A point file of scripts/memory_table.py (bytes in MiB for readability)."""
+    mib = 2**20
+
+    def rec(v, p=None):
+        out = {"saved_activation_bytes": v * mib}
+        if peak and p is not None:
+            out["peak_memory"] = {"peak_bytes": p * mib, "kind": "peak RSS of the step"}
+        return out
+
+    point = {"table": table, "task": task, "batch_size": batch, "real_tokens": 10 * batch,
+             "padded_tokens": 20 * batch, "command": "python scripts/memory_table.py --test",
+             "hardware": "test CPU", "parts": ["bytes"], "exact": rec(exact, 2 * exact),
+             "limit": {"0.5": 0.9 * exact * mib, "0.2": 0.8 * exact * mib, "0.1": 0.7 * exact * mib},
+             "paper": {r: rec(exact * f, 2 * exact * f) for r, f in (("0.5", 0.9), ("0.2", 0.8),
+                                                                      ("0.1", 0.75))},
+             "ours": {r: {**rec(exact * f, 2 * exact * f), "patch": {"sketch": "blocksrht"}}
+                      for r, f in (("0.5", 0.7), ("0.2", 0.65), ("0.1", 0.6))}}
+    if ckpt:
+        point["ckpt"] = rec(exact // 20, exact)
+        point["ckpt+ours"] = {r: rec(exact // 20, exact - 1) for r in ("0.5", "0.2", "0.1")}
+    return point
+
+
+def test_table3_and_figure3_with_checkpointing(make_tables, tmp_path):
+    """Checkpointing rows ('none' = checkpointing alone) with the benchmark's step ratios; Figure 3
+    gains a checkpointing column when every point has it."""
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    (memory / "table3-cola-b8.json").write_text(json.dumps(memory_point("table3", "cola", 8, 400,
+                                                                        peak=True)))
+    for b in (2, 4):
+        (memory / f"figure3-cola-b{b}.json").write_text(json.dumps(
+            memory_point("figure3", "cola", b, 100 * b, peak=True)))
+    write_bench(tmp_path)
+    (tmp_path / "bench" / "model_cpu_test.json").write_text(
+        (tmp_path / "bench" / "model_cpu_test.json").read_text().replace('"minilm"',
+                                                                          '"roberta-base"'))
+    (tmp_path / "bench" / "model_cpu_test2.json").unlink()
+    make_tables.table3(memory, tmp_path / "tables", tmp_path / "bench")
+    lines = (tmp_path / "tables" / "table3.md").read_text().splitlines()
+    rows = {line.split(" | ")[2]: line for line in lines if line.startswith("| cola (8) |")}
+    assert set(rows) == {"paper layout (Gaussian)", "ours (blocksrht)",
+                         "checkpointing + ours (blocksrht)"}
+    ck = rows["checkpointing + ours (blocksrht)"]
+    assert "| 20 / 20 / 20 / 20 | 95% / 95% / 95% / 95% | - |" in ck
+    assert "| 1.30 / - / - / 1.00 |" in ck  # ckpt 1.2-1.4, ckpt+ours@0.1 0.9-1.1; 0.5/0.2 unmeasured
+    assert "| 400 / 360 / 320 / 300 | 0% / 10% / 20% / 25% | 10% / 20% / 30% |" in rows[
+        "paper layout (Gaussian)"]
+    assert "| 1.00 / - / - / 1.10 |" in rows["paper layout (Gaussian)"]
+    assert "| 400 / 399 / 399 / 399 | 50% / 50% / 50% / 50% |" in ck  # vs exact peak 800 MiB
+    make_tables.figure3(memory, tmp_path / "figures")
+    assert (tmp_path / "figures" / "figure3_memory.png").stat().st_size > 0
 
 
 def test_table3_from_training_runs(make_tables, tmp_path):
