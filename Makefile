@@ -24,7 +24,9 @@ lint: install  ## ruff
 	$(PY) -m ruff check src tests scripts
 
 # make glue: each variable becomes a Hydra override only when given; the defaults (cola,
-# roberta-base, gaussian, rho 0.1, seed 1) live in configs/. ARGS takes any other overrides.
+# gaussian, rho 0.1, seed 1; the setup chosen for this machine) live in configs/ and
+# sketchprop.train.choose_setup. ARGS takes any other overrides.
+SETUP  ?=
 TASK   ?=
 MODEL  ?=
 SKETCH ?=
@@ -32,8 +34,8 @@ RHO    ?=
 SEED   ?=
 ARGS   ?=
 
-glue: install  ## fine-tune one GLUE run: make glue TASK=cola RHO=0.1 SKETCH=gaussian MODEL=roberta-base SEED=1 ARGS='train=cpu'
-	$(PY) -m sketchprop.train $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) \
+glue: install  ## fine-tune one GLUE run: make glue TASK=cola RHO=0.1 SKETCH=gaussian SEED=1 [SETUP=paper|cpu MODEL=... ARGS=...]
+	$(PY) -m sketchprop.train $(if $(SETUP),setup=$(SETUP)) $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) \
 		$(if $(SKETCH),method=$(SKETCH)) $(if $(RHO),method.rho=$(RHO)) \
 		$(if $(SEED),train.seed=$(SEED)) $(ARGS)
 

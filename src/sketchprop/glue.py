@@ -29,12 +29,15 @@ __all__ = [
     "load_glue",
     "read_tsv",
     "resolve_glue_dir",
+    "shipped",
     "tokenize",
     "use_hub_cache_only",
     "write_toy_glue",
 ]
 
 HUB_DATASET = "nyu-mll/glue"
+#: The original GLUE files of the small tasks, shipped with the repository (data/glue/SOURCES.md).
+SHIPPED_GLUE_DIR = Path(__file__).resolve().parents[2] / "data" / "glue"
 
 #: For each task: where the dataset's columns are in the original TSV files. A header name, or a
 #: column index for CoLA, whose train/dev files have no header (source, label, mark, sentence).
@@ -73,6 +76,12 @@ def resolve_glue_dir(glue_dir: str | os.PathLike | None) -> Path | None:
     """``data.glue_dir``, else the environment variable ``GLUE_DIR``, else None (the hub)."""
     value = glue_dir if glue_dir not in (None, "") else os.environ.get("GLUE_DIR") or None
     return None if value is None else Path(value).expanduser()
+
+
+def shipped(task) -> bool:
+    """Whether the task's files are among those shipped in :data:`SHIPPED_GLUE_DIR`."""
+    return all((SHIPPED_GLUE_DIR / task.dir / f).is_file()
+               for f in ["train.tsv", *[d.file for d in task.dev]])
 
 
 def check_local(task, glue_dir: Path) -> None:

@@ -281,7 +281,7 @@ class RunFiles:
         write_json(run_dir / "result.json", result)
         write_json(self.index, result)
         remove_tree(self.checkpoints, self.checkpoints_root)
-        where = "kept for the tables" if self.kept else "not kept (keep=true files it under results/)"
+        where = "kept for the tables" if self.kept else "not kept for the tables: keep=true files it there"
         print(f"result: {run_dir / 'result.json'}\n  filed: {self.index} ({where})", flush=True)
 
 
