@@ -1,11 +1,14 @@
 """Patching level: patch_linear / unpatch_linear on a tiny RoBERTa built from a config."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from sketchprop import RandomizedLinear, patch_linear, unpatch_linear
+from sketchprop.layers import SketchContext
 from sketchprop.measure import SavedTensorMeter
 
 PER_LAYER = [
@@ -60,6 +63,13 @@ def test_targets_regex():
     assert names == [n for n in layer_names() if n.split(".")[-1] in ("query", "key", "value")]
 
 
+def test_exclude_regex_is_searched_anywhere_in_the_name():
+    model = tiny_roberta()
+    names = patch_linear(model, "gaussian", 0.5, exclude=r"attention")
+    assert names == [n for n in layer_names() + HEAD if "attention" not in n]
+    assert type(model.roberta.encoder.layer[0].attention.self.query) is nn.Linear
+
+
 def test_state_dict_and_parameters_unchanged():
     model = tiny_roberta()
     keys = list(model.state_dict())
@@ -69,24 +79,32 @@ def test_state_dict_and_parameters_unchanged():
     assert all(p is params[n] for n, p in model.named_parameters())
 
 
+def logits_and_grads(model, data):
+    """Logits and parameter gradients of one training step (grad enabled: the sketched path)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**data)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def test_unpatch_round_trip():
     model = tiny_roberta()
-    model.eval()
     data = batch()
-    with torch.no_grad():
-        before = model(**data).logits
+    before, grads_before = logits_and_grads(model, data)
     keys = list(model.state_dict())
     hooks = dict(model._forward_pre_hooks)
     patch_linear(model, "blocksrht", 0.1)
     assert len(model._forward_pre_hooks) == len(hooks) + 1  # the attention-mask hook
-    with torch.no_grad():
-        patched = model(**data).logits
+    patched, grads_patched = logits_and_grads(model, data)
     assert unpatch_linear(model) == layer_names() + HEAD
     assert not any(isinstance(m, RandomizedLinear) for m in model.modules())
-    with torch.no_grad():
-        after = model(**data).logits
-    torch.testing.assert_close(patched, before, rtol=0, atol=0)
+    after, grads_after = logits_and_grads(model, data)
+    torch.testing.assert_close(patched, before, rtol=0, atol=0)  # the forward stays exact
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+    sketched = "roberta.encoder.layer.0.intermediate.dense.weight"  # 16 of 34 real rows
+    assert not torch.allclose(grads_patched[sketched], grads_before[sketched], rtol=0.01)
+    for name, grad in grads_before.items():  # exact gradients again once unpatched
+        torch.testing.assert_close(grads_after[name], grad, msg=name)
     assert list(model.state_dict()) == keys
     assert dict(model._forward_pre_hooks) == hooks
     patch_linear(model, "dct", 0.2)  # can be patched again after unpatching
@@ -205,10 +223,40 @@ def test_skip_padding_sketch_covers_only_real_rows():
     data = batch()
     patch_linear(model, "gaussian", 0.5, exclude="classifier", skip_padding=True, min_rows=1)
     layer = model.roberta.encoder.layer[0].intermediate.dense
-    seen = {}
-    layer.register_forward_hook(lambda m, a, o: seen.update(rows=m.context.rows_for(a[0])))
-    model(**data).loss.backward()
-    assert seen["rows"].numel() == int(data["attention_mask"].sum())
+    with SavedTensorMeter(model) as meter:
+        hooks = [layer.register_forward_pre_hook(lambda *a: setattr(meter, "label", "layer")),
+                 layer.register_forward_hook(lambda *a: setattr(meter, "label", None))]
+        loss = model(**data).loss
+    for h in hooks:
+        h.remove()
+    loss.backward()
+    real = int(data["attention_mask"].sum())  # 34 of 64 rows
+    own = [nbytes for nbytes, labels in meter.records if labels == {"layer"}]
+    assert max(own) == math.ceil(0.5 * real) * 32 * 4  # S^T X: half the real rows, not of all 64
+
+
+@pytest.mark.parametrize("sketch", ["gaussian", "dct", "blocksrht"])
+def test_skip_padding_ignores_what_padding_rows_hold(sketch):
+    """The weight gradient does not depend on the input at padding rows (whose output gradient is
+    zero); without skip_padding the sketch mixes them in."""
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask.view(-1)[torch.tensor([2, 9, 13, 20])] = False
+    context = SketchContext()
+    context.set_mask(mask)
+    g = torch.Generator().manual_seed(0)
+    x, junk = torch.randn(3, 7, 8, generator=g), 100 * torch.randn(3, 7, 8, generator=g)
+    dy = torch.randn(3, 7, 6, generator=g) * mask[..., None]
+    grads = {}
+    for skip in (True, False):
+        for fill in ("zero", "junk"):
+            torch.manual_seed(0)
+            layer = RandomizedLinear(8, 6, sketch=sketch, rho=0.5, min_rows=1, seed=1,
+                                     skip_padding=skip, context=context)
+            xf = torch.where(mask[..., None], x, junk if fill == "junk" else torch.zeros_like(x))
+            (layer(xf) * dy).sum().backward()
+            grads[skip, fill] = layer.weight.grad
+    torch.testing.assert_close(grads[True, "junk"], grads[True, "zero"])
+    assert not torch.allclose(grads[False, "junk"], grads[False, "zero"], rtol=0.01)
 
 
 def _discarded_bytes(model, data):
