@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu memory tables
+.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu memory tables budget
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -102,10 +102,19 @@ figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR
 	$(TRAIN) experiment=figure4-minilm $(ARGS)
 	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1.json
 
-memory: install  ## Table 3 and Figure 3 on this CPU: roberta-base saved bytes at real task lengths, step peaks for Figure 3 (GLUE_DIR)
+memory: install  ## Table 3, Figure 3 on this CPU: roberta-base saved bytes (exact, paper, ours, checkpointing) at real task lengths, CoLA step peaks (QNLI: GLUE_DIR with QNLI)
 	$(PY) scripts/memory_table.py --points table3 --parts bytes $(ARGS)
 	$(PY) scripts/memory_table.py --points table3 --tasks CoLA --parts memory $(ARGS)
 	$(PY) scripts/memory_table.py --points figure3 --parts bytes,memory $(ARGS)
+
+# make budget: the largest batch each configuration fits in BUDGET_GIB, and the fastest that fits
+# BATCH (scripts/pick_budget.py; MODEL and TASK as for make glue, defaults roberta-base and cola).
+BUDGET_GIB ?=
+BATCH      ?=
+
+budget: install  ## pick by memory budget: make budget MODEL=roberta-base TASK=cola BUDGET_GIB=8 BATCH=256
+	$(PY) scripts/pick_budget.py $(if $(MODEL),--model $(MODEL)) $(if $(TASK),--task $(TASK)) \
+		$(if $(BUDGET_GIB),--budget-gib $(BUDGET_GIB)) $(if $(BATCH),--batch $(BATCH)) $(ARGS)
 
 tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files
 	$(PY) scripts/make_tables.py

@@ -1,0 +1,139 @@
+"""scripts/pick_budget.py: the fixed part, the largest-batch arithmetic and the choice of the fastest
+configuration, on a tiny model; and the checkpointing byte count it relies on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+
+@pytest.fixture(scope="module")
+def pb():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location("pick_budget", SCRIPTS / "pick_budget.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+@pytest.fixture(scope="module")
+def tiny(pb):
+    return pb.bm.build_model("roberta-base", quick=True).train()
+
+
+def test_fixed_part_is_weights_grads_and_two_adam_moments(pb, tiny):
+    n_bytes = sum(p.numel() * p.element_size() for p in tiny.parameters())
+    fixed = pb.fixed_bytes(tiny)
+    assert fixed["weights"] == fixed["grads"] == n_bytes
+    assert fixed["adamw_state"] == 2 * n_bytes
+    assert fixed["total"] == 4 * n_bytes
+    assert all(p.grad is None for p in tiny.parameters())  # the model is left as it was
+
+
+def test_reference_batch_holds_the_longest_example(pb):
+    lengths = [5, 9, 3, 40, 7, 8, 6]
+    ref = pb.reference_lengths(lengths, 4)
+    assert len(ref) == 4 and ref[0] == 40 and max(ref) == 40
+    assert pb.reference_lengths(lengths, 4) == ref  # fixed seed
+    assert len(pb.reference_lengths(lengths, 20)) == 20  # drawn with replacement past the set
+
+
+def test_plan_arithmetic(pb):
+    mib = 2**20
+    # Saved bytes of a reference batch of 100 padded tokens, two encoder layers, L_max 10.
+    saved = {"exact": 100 * mib, "ours@0.5": 80 * mib, "ours@0.2": 70 * mib, "ours@0.1": 60 * mib,
+             "ckpt": 10 * mib, "ckpt+ours@0.5": 10 * mib, "ckpt+ours@0.2": 10 * mib,
+             "ckpt+ours@0.1": 10 * mib}
+
+    def t(r):
+        return {"ratio": r, "q1": r, "q3": r, "n": 3}
+
+    ratios = {"exact": t(1.0), "ours-blocksrht@0.5": t(0.8), "ours-blocksrht@0.2": t(0.75),
+              "ours-blocksrht@0.1": t(0.7), "ckpt": t(1.2), "ckpt+ours-blocksrht@0.5": t(0.95),
+              "ckpt+ours-blocksrht@0.2": t(0.94), "ckpt+ours-blocksrht@0.1": t(0.93)}
+    fixed, budget = 50 * mib, 150 * mib
+    rows = {r["name"]: r for r in pb.plan(saved, 100, fixed, 2, 10, budget, 12, ratios,
+                                          "blocksrht")}
+    # exact: 1 MiB per padded token, 10 MiB per example: (150 - 50) / 10 = 10 examples.
+    assert rows["exact"]["per_token"] == mib and rows["exact"]["largest_batch"] == 10
+    assert not rows["exact"]["fits"]
+    # ours 0.1: 0.6 MiB per token, 6 MiB per example: floor(100 / 6) = 16.
+    assert rows["ours@0.1"]["largest_batch"] == 16 and rows["ours@0.1"]["fits"]
+    # checkpointing: 0.1 MiB per token (1 MiB per example) + one recomputed layer of the exact
+    # model's other bytes: (100 - 10) MiB / 100 tokens * 10 tokens / 2 layers = 4.5 MiB per example.
+    assert rows["ckpt"]["recompute_per_example"] == pytest.approx(4.5 * mib)
+    assert rows["ckpt"]["largest_batch"] == math.floor(100 / 5.5)
+    # checkpointing + ours 0.1 recomputes an ours-sized layer: (60 - 10) / 100 * 10 / 2 = 2.5 MiB.
+    assert rows["ckpt+ours@0.1"]["recompute_per_example"] == pytest.approx(2.5 * mib)
+    assert rows["ckpt+ours@0.1"]["largest_batch"] == math.floor(100 / 3.5)
+    assert rows["ckpt+ours@0.1"]["memory_at_batch"] == pytest.approx(fixed + 12 * 3.5 * mib)
+    # The fastest configuration that reaches batch 12 is ours at 0.1 (0.70), not exact (no room).
+    assert [n for n, r in rows.items() if r["fastest"]] == ["ours@0.1"]
+    # At batch 20 only checkpointing fits; the fastest of those is checkpointing + ours at 0.1.
+    rows = {r["name"]: r for r in pb.plan(saved, 100, fixed, 2, 10, budget, 20, ratios,
+                                          "blocksrht")}
+    assert [n for n, r in rows.items() if r["fastest"]] == ["ckpt+ours@0.1"]
+    # No room at all: nothing fits, nothing is marked.
+    rows = pb.plan(saved, 100, fixed, 2, 10, fixed // 2, 1, ratios, "blocksrht")
+    assert all(r["largest_batch"] == 0 and not r["fastest"] for r in rows)
+
+
+@pytest.mark.parametrize("patch", [None, dict(sketch="blocksrht", rho=0.1, exclude="classifier")])
+def test_checkpointing_bytes_same_for_reentrant_and_not(pb, tiny, patch):
+    """Both HF checkpointing variants save each layer's input through autograd's saved-tensor
+    hooks: SavedTensorMeter counts the same bytes for either, far fewer than without."""
+    from sketchprop.measure import SavedTensorMeter
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (4, 24), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.zeros(4, dtype=torch.long)}
+    counts = {}
+    for label, ckpt, kwargs in (("plain", False, None), ("reentrant", True, {"use_reentrant": True}),
+                                ("non-reentrant", True, {"use_reentrant": False})):
+        method = {"patch": patch, "ckpt": ckpt, "ckpt_kwargs": kwargs}
+        with pb.bm.Configured(tiny, method):
+            with SavedTensorMeter(tiny) as meter:
+                loss = tiny(**batch).loss
+            loss.backward()  # recomputes through the same patched layers
+        tiny.zero_grad(set_to_none=True)
+        counts[label] = meter.bytes
+    assert counts["reentrant"] == counts["non-reentrant"] < counts["plain"] / 3
+    # memory_table's discarding count (the one pick_budget uses) agrees.
+    discard = pb.mt.saved_bytes(tiny, batch, {"patch": patch, "ckpt": True})
+    assert discard == counts["non-reentrant"]
+
+
+def test_cli_on_toy_glue(pb, glue_dir, tmp_path):
+    """End to end on the tiny model: one row per configuration, written where asked."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    methods = {"exact": [1.0, 1.0], "ours-blocksrht@0.1": [0.7, 0.8], "ckpt": [1.2, 1.3]}
+    (bench / "model_cpu_x.json").write_text(json.dumps({
+        "args": {"batch": 4, "seq": 32, "task": "MRPC"},
+        "environment": {"torch_threads": 1, "device": "cpu", "cpu": "test CPU"},
+        "results": [{"model": "roberta-base", "batch": {"source": "toy"},
+                     "methods": {n: {"time": {"ratios": r}} for n, r in methods.items()}}]}))
+    out = tmp_path / "budget.md"
+    assert pb.main(["--quick", "--task", "cola", "--budget-gib", "1", "--batch", "4",
+                    "--glue-dir", str(glue_dir), "--bench-dir", str(bench), "--threads", "1",
+                    "--ref-batch", "8", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("<!-- generated by: python scripts/pick_budget.py --quick")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 8
+    fastest = [r for r in rows if "fastest that fits" in r]
+    assert len(fastest) == 1 and fastest[0].startswith("| ours | 0.1 |")
+    assert "| 0.75 (0.72-0.78) |" in fastest[0]
