@@ -8,6 +8,14 @@ Forward computes ``Y = X W^T + b`` exactly and keeps, for backward, only what ea
 
 ``X`` itself is never saved. The sketch ``S^T X`` is formed by the caller (under ``no_grad``) so that
 layers reading the same tensor can share one sketch; this Function only stores it.
+
+The seed is saved as a tensor (8 bytes), beside the sketch it made, not as a Python attribute of
+the autograd context. Activation checkpointing (``torch.utils.checkpoint``, HF
+``gradient_checkpointing_enable``) discards the saved tensors in forward and recomputes them in
+backward, while backward keeps the *original* context: a recomputed forward draws a fresh seed and
+forms a fresh ``S'^T X``, and only a seed saved as a tensor is replaced along with it. Backward then
+pairs ``S'^T X`` with ``S'^T dY``, an unbiased estimate as before; a seed kept on the context would
+pair ``S'^T X`` with ``S^T dY``, whose expectation is zero for independent ``S`` and ``S'``.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from torch import Tensor
 
 from .sketches import Sketch
 
-__all__ = ["SketchedLinearFunction", "sketched_linear"]
+__all__ = ["SketchedLinearFunction", "seed_tensor", "sketched_linear"]
 
 
 class SketchedLinearFunction(torch.autograd.Function):
@@ -26,7 +34,8 @@ class SketchedLinearFunction(torch.autograd.Function):
 
     Args (to ``apply``): ``x`` (``..., N_in``), ``weight``, ``bias`` (or None), ``sx`` (``k x N_in``,
     the stored sketch, or None when ``weight`` needs no gradient), ``sketch``, ``k``, ``seed``,
-    ``rows`` (indices of the rows the sketch covers, or None for all), ``tracker`` (an optional
+    ``rows`` (indices of the rows the sketch covers, or None for all), ``seed`` an int or a 0-d
+    int64 tensor (saved for backward; see the module docstring), ``tracker`` (an optional
     :class:`~sketchprop.variance.VarianceTracker`) and ``tstate`` (the tensor its ``forward``
     returned; saved for backward, then passed to ``tracker.backward``).
     """
@@ -36,32 +45,43 @@ class SketchedLinearFunction(torch.autograd.Function):
                 tstate=None):
         out = F.linear(x, weight, bias)
         need_x, need_w, _ = ctx.needs_input_grad[:3]
-        ctx.sketch, ctx.k, ctx.seed, ctx.tracker = sketch, k, seed, tracker
+        ctx.sketch, ctx.k, ctx.tracker = sketch, k, tracker
         ctx.x_shape = x.shape
         ctx.has_rows = rows is not None
-        # Save only what the requested gradients need: a frozen weight keeps no sketch at all.
+        # Save only what the requested gradients need: a frozen weight keeps no sketch at all, and
+        # the exact "sketch" (A itself) needs no seed.
         saved = [weight if need_x else None, sx if need_w else None]
         saved.append(rows if (need_w and rows is not None) else None)
         saved.append(tstate if (need_w and tracker is not None) else None)
+        needs_seed = need_w and sketch.name != "exact"
+        saved.append(seed_tensor(seed) if needs_seed else None)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        weight, sx, rows, tstate = ctx.saved_tensors
+        weight, sx, rows, tstate, seed = ctx.saved_tensors
+        seed = 0 if seed is None else int(seed)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if need_x:
             dx = (dy2 @ weight).reshape(ctx.x_shape)
         if need_w:
-            sdy = ctx.sketch.apply(dy2, ctx.k, ctx.seed, rows)
+            sdy = ctx.sketch.apply(dy2, ctx.k, seed, rows)
             dw = sdy.T @ sx
             if ctx.tracker is not None:
                 ctx.tracker.backward(tstate, dy2, rows, sdy, sx, dw, ctx.sketch, ctx.k)
         if need_b:
             db = dy2.sum(0)
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+def seed_tensor(seed) -> Tensor:
+    """``seed`` as a 0-d int64 CPU tensor (a tensor passes through unchanged)."""
+    if isinstance(seed, Tensor):
+        return seed
+    return torch.tensor(int(seed), dtype=torch.int64)
 
 
 def sketched_linear(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import SketchedLinearFunction
+from .functional import SketchedLinearFunction, seed_tensor
 from .sketches import SKETCHES, Sketch, get_sketch, num_proj_rows
 
 __all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "resolve_rho"]
@@ -53,7 +53,7 @@ class SketchContext:
     def __init__(self):
         self.mask_shape: tuple[int, ...] | None = None
         self.rows: Tensor | None = None
-        self._shared: dict[tuple, tuple[weakref.ref, weakref.ref, int]] = {}
+        self._shared: dict[tuple, tuple[weakref.ref, weakref.ref, Tensor]] = {}
 
     def set_mask(self, mask: Tensor | None) -> None:
         if mask is None or mask.dim() != 2:
@@ -68,7 +68,7 @@ class SketchContext:
             return self.rows
         return None
 
-    def lookup(self, key: tuple, x: Tensor) -> tuple[Tensor, int] | None:
+    def lookup(self, key: tuple, x: Tensor) -> tuple[Tensor, Tensor] | None:
         hit = self._shared.get(key)
         if hit is None:
             return None
@@ -79,7 +79,7 @@ class SketchContext:
             return None
         return sx, seed
 
-    def store(self, key: tuple, x: Tensor, sx: Tensor, seed: int) -> None:
+    def store(self, key: tuple, x: Tensor, sx: Tensor, seed: Tensor) -> None:
         for k in [k for k, (xr, sr, _) in self._shared.items() if xr() is None or sr() is None]:
             del self._shared[k]
         self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed)
@@ -96,6 +96,11 @@ class RandomizedLinear(nn.Linear):
     Each forward call draws a fresh seed from the layer's own generator, seeded by ``seed`` (the run
     seed), the layer ``name`` and the distributed rank; the global RNG is never touched, so dropout
     streams stay as in the exact model.
+
+    Under activation checkpointing the forward of a checkpointed block runs twice: the recomputation
+    in backward draws a new seed and forms a new sketch, and backward uses that pair (the seed is a
+    saved tensor, see :mod:`sketchprop.functional`), so the weight gradient stays unbiased; the
+    generator simply advances twice per step.
 
     Args:
         sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.
@@ -197,9 +202,11 @@ class RandomizedLinear(nn.Linear):
             if hit is not None:
                 sx, seed = hit
             else:
-                seed = self._next_seed()
+                draw = self._next_seed()
                 with torch.no_grad():
-                    sx = sketch.apply(inp.detach().reshape(-1, self.in_features), k, seed, rows)
+                    sx = sketch.apply(inp.detach().reshape(-1, self.in_features), k, draw, rows)
+                # One seed tensor per sketch: layers sharing the sketch save it once.
+                seed = seed_tensor(draw)
                 if shared:
                     self.context.store(key, x, sx, seed)
             if self.tracker is not None:  # variance tracking: B row norms, saved for backward

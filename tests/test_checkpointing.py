@@ -1,0 +1,142 @@
+"""Activation checkpointing with sketched layers: a recomputed forward draws a new seed and a new
+sketch, both saved tensors, so backward pairs them and the weight gradient stays unbiased
+(sketchprop.functional's docstring); exact layers under checkpointing give exact gradients."""
+
+import pytest
+import torch
+from scipy import stats
+from test_layers import FALSE_ALARM, N_DRAWS, hotelling, make_layer, unbiased_data
+from test_patching import batch, tiny_roberta
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sketchprop import SKETCHES, patch_linear
+from sketchprop.measure import SavedTensorMeter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Block(nn.Module):
+    """A sketched layer followed by a nonlinearity and an exact layer: the layer's output
+    gradient depends on its input, as in a transformer block."""
+
+    def __init__(self, sketch):
+        super().__init__()
+        self.first = make_layer(sketch, rho=0.25, seed=3)
+        torch.manual_seed(1)
+        self.second = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def block_draws(block, x, g, n, checkpointed):
+    out = []
+    for _ in range(n):
+        block.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_(True)
+        y = checkpoint(block, xx, use_reentrant=False) if checkpointed else block(xx)
+        (y * g).sum().backward()
+        out.append(block.first.weight.grad.detach().clone())
+    return torch.stack(out).double().reshape(n, -1)
+
+
+def exact_block_grad(block, x, g):
+    block.zero_grad(set_to_none=True)
+    w = block.first.weight
+    y = block.second(torch.tanh(nn.functional.linear(x, w, block.first.bias)))
+    (y * g).sum().backward()
+    return w.grad.detach().clone().double().reshape(-1)
+
+
+@pytest.mark.parametrize("sketch", ["gaussian", "blocksrht", "rowsample"])
+def test_weight_gradient_unbiased_under_checkpointing(sketch):
+    """The layer-level statistic (Hotelling's T^2 against the exact gradient, the bound of
+    test_layers) with the block checkpointed. A seed kept outside the saved tensors pairs two
+    independent sketches: the mean gradient is then zero, T^2 in the tens of thousands."""
+    x, _ = unbiased_data()
+    g = torch.randn(64, 6, generator=torch.Generator().manual_seed(5))
+    block = Block(SKETCHES[sketch])
+    exact = exact_block_grad(block, x, g)
+    n, p = N_DRAWS, exact.numel()
+    bound = stats.f.isf(FALSE_ALARM, p, n - p) * p * (n - 1) / (n - p)
+    calls = block.first.calls
+    t2, _ = hotelling(block_draws(block, x, g, n, checkpointed=True), exact)
+    assert block.first.calls - calls == 2 * n  # forward, then the recomputation in backward
+    assert t2 < bound, f"{sketch}: T^2 = {t2:.1f}, bound {bound:.1f}"
+
+
+def test_checkpointing_keeps_the_forward_and_dx_exact():
+    x, _ = unbiased_data()
+    g = torch.randn(64, 6)
+    block = Block(SKETCHES["gaussian"])
+    xx = x.clone().requires_grad_(True)
+    y = checkpoint(block, xx, use_reentrant=False)
+    (y * g).sum().backward()
+    ref = x.clone().requires_grad_(True)
+    y_ref = block.second(torch.tanh(nn.functional.linear(ref, block.first.weight,
+                                                         block.first.bias)))
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(xx.grad, ref.grad)
+
+
+def _grads(model, data):
+    model.zero_grad(set_to_none=True)
+    model(**data).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_exact_model_with_checkpointing_gives_the_exact_gradients(dropout):
+    """HF gradient checkpointing (non-reentrant, as the training entry point enables it) on the
+    unpatched model: the same loss and gradients as without, dropout included (checkpointing
+    replays the global RNG state in the recomputation)."""
+    data = batch()
+    plain = tiny_roberta(dropout=dropout).train()
+    ckpt = tiny_roberta(dropout=dropout).train()
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(7)
+    a = _grads(plain, data)
+    torch.manual_seed(7)
+    b = _grads(ckpt, data)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_patched_model_with_checkpointing_is_unbiased_in_a_shared_layer():
+    """Our layout (Q, K, V share one sketch; padding rows skipped) under HF checkpointing: the
+    mean of the query weight's gradient over many steps, projected on the exact gradient, is the
+    exact projection within 4 standard errors of the mean."""
+    data = batch()
+    model = tiny_roberta().train()
+    exact = _grads(model, data)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patch_linear(model, sketch="gaussian", rho=0.25, exclude="classifier", share_inputs=True,
+                 skip_padding=True, min_rows=1, seed=0)
+    name = "roberta.encoder.layer.0.attention.self.query.weight"
+    u = exact[name].reshape(-1) / exact[name].norm()
+    proj = torch.tensor([(_grads(model, data)[name].reshape(-1) @ u).item() for _ in range(400)],
+                        dtype=torch.float64)
+    target = (exact[name].reshape(-1) @ u).item()
+    se = proj.std().item() / len(proj) ** 0.5
+    assert abs(proj.mean().item() - target) < 4 * se, (proj.mean().item(), target, se)
+    # The projection's mean is far from zero, where unpaired sketches would put it.
+    assert target > 8 * se
+
+
+def test_checkpointing_with_sketches_saves_the_seed_beside_the_sketch():
+    """What a sketched layer keeps: its sketch and an 8-byte seed, nothing else."""
+    layer = make_layer("gaussian", rho=0.25, n_in=8, n_out=6)
+    x = torch.randn(64, 8, requires_grad=True)
+    with SavedTensorMeter(layer) as meter:
+        layer(x).sum().backward()
+    assert meter.bytes == 16 * 8 * 4 + 8
