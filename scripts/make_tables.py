@@ -80,24 +80,70 @@ PAPER_TABLE3 = {
 
 
 def load_runs(runs_dir: Path) -> list[dict]:
-    """Every run JSON under ``runs_dir``, each with ``_experiment`` (its folder below runs/)."""
+    """Every run JSON under ``runs_dir``, each with ``_experiment`` (its first folder below
+    runs/) and ``_folder`` (every folder below runs/ but the task's)."""
     runs = []
     for path in sorted(runs_dir.rglob("*.json")):
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or "metrics" not in data:
             continue
-        data["_experiment"] = path.relative_to(runs_dir).parts[0]
+        parts = path.relative_to(runs_dir).parts
+        data["_experiment"] = parts[0]
+        data["_folder"] = "/".join(parts[:-2])
         data["_path"] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
         runs.append(data)
     return runs
 
 
+class MixedRecipes(SystemExit):
+    """Two recipes in one table cell."""
+
+
+def check_one_recipe_per_cell(runs: list[dict]) -> None:
+    """Refuse to build tables when a cell (result folder, task, method row) holds runs of more
+    than one recipe (identity less the seed): their mean would mix two experiments. Says which
+    files and which settings differ. Runs without an identity are refused too (migrate them with
+    scripts/migrate_runs.py)."""
+    missing = [r["_path"] for r in runs if "identity" not in r]
+    if missing:
+        raise MixedRecipes("run files without an identity (scripts/migrate_runs.py adds it): "
+                           + ", ".join(missing))
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        cells[(r["_folder"], r["task"], method_key(r))].append(r)
+    problems = []
+    for (folder, task, key), rs in sorted(cells.items(), key=lambda c: str(c[0])):
+        recipes = {r["recipe"]: r for r in rs}
+        if len(recipes) < 2:
+            continue
+        first, *others = recipes.values()
+        diffs = sorted({d for o in others for d in _differences(first["identity"], o["identity"])
+                        if d != "seed"})
+        problems.append(f"{folder}/{task} {method_label(key)}: {len(recipes)} recipes "
+                        f"(differing in {', '.join(diffs)}): "
+                        + ", ".join(r["_path"] for r in rs))
+    if problems:
+        raise MixedRecipes("one table cell would mix runs of different recipes; move one recipe "
+                           "to its own experiment_name, or remove the files that should not be "
+                           "there:\n  " + "\n  ".join(problems))
+
+
+def _differences(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b))
+                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
 def scheme(run: dict) -> str:
-    """``paper`` (per-layer sketches, padding included) or ``ours``, from the run's config."""
+    """``paper`` (per-layer sketches, padding included) or ``ours``, from the run's config;
+    ``+ckpt`` when the run used activation checkpointing."""
+    ckpt = run.get("identity", {}).get("train", {}).get("gradient_checkpointing", False)
     if run["sketch"] == "exact":
-        return "-"
+        return "ckpt" if ckpt else "-"
     method = run.get("config", {}).get("method", {})
-    return "ours" if method.get("share_inputs") and method.get("skip_padding") else "paper"
+    layout = "ours" if method.get("share_inputs") and method.get("skip_padding") else "paper"
+    return layout + ("+ckpt" if ckpt else "")
 
 
 def score(run: dict, best: bool = True) -> float | None:
@@ -245,7 +291,9 @@ def fmt_ratio(st: dict | None) -> str:
 
 
 def table2(runs: list[dict], experiment: str, stem: Path, majority: dict | None = None) -> None:
-    runs = [r for r in runs if r["_experiment"] == experiment and r["sketch"] in TABLE2_SKETCHES]
+    # The paper's Gaussian and the recommended sketch, without checkpointing (that is Table 4's).
+    runs = [r for r in runs if r["_experiment"] == experiment and r["sketch"] in TABLE2_SKETCHES
+            and not scheme(r).endswith("ckpt")]
     if not runs:
         return
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in runs)]
@@ -756,6 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = Path(args.results)
     runs = load_runs(results / "runs")
+    check_one_recipe_per_cell(runs)
     tables, figures = results / "tables", results / "figures"
     # The CPU runs make table2/table4; paper-scale runs (experiment=table2 / table4), where
     # present, make table2_roberta / table4_roberta beside them.

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from sketchprop import runs as sp_runs
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tables.py"
 
 
@@ -18,8 +20,15 @@ def make_tables():
     return module
 
 
-def fake_run(task, sketch, rho, seed, score, runtime, share=False):
+def fake_run(task, sketch, rho, seed, score, runtime, share=False, **train):
+    """A result file as the pipeline writes it; ``train`` settings enter its identity."""
     metric = "matthews" if task == "cola" else "accuracy"
+    ident = {"task": task, "model": {"name": "minilm"},
+             "method": {"sketch": sketch} if sketch == "exact" else
+             {"sketch": sketch, "rho": rho, "share_inputs": share, "skip_padding": share},
+             "train": {"epochs": 3.0, "batch_size": 32, "learning_rate": 1e-4, **train},
+             "data": {"source": "tsv", "sha256": "0" * 16, "max_train_samples": 4000},
+             "seed": seed}
     history = [{"epoch": e, "step": 10 * e, metric: score - 3 + e, "eval_loss": 0.7 - 0.05 * e,
                 "train_loss": 0.8 - 0.1 * e} for e in (1, 2, 3)]
     return {
@@ -30,6 +39,7 @@ def fake_run(task, sketch, rho, seed, score, runtime, share=False):
         "train_samples_per_second": 1000 / runtime, "tokens_per_second": 1.0,
         "train_runtime": runtime, "peak_memory_bytes": 1, "saved_activation_bytes": 1,
         "device": "cpu", "hardware": "test CPU", "git_commit": "abc", "wall_seconds": runtime,
+        "identity": ident, "recipe": sp_runs.recipe_hash(ident),
         "config": {"method": {"share_inputs": share, "skip_padding": share},
                    "train": {"epochs": 3, "batch_size": 32, "learning_rate": 1e-4,
                              "max_length": 128}, "data": {"max_train_samples": 4000}},
@@ -42,7 +52,7 @@ def write_runs(results: Path):
     runs += [fake_run("cola", "blocksrht", 0.1, 1, 48, 80, share=True)]
     runs += [fake_run("mrpc", "exact", 1.0, 1, 80, 100), fake_run("mrpc", "gaussian", 0.1, 1, 78, 110)]
     for r in runs:
-        name = f"{r['sketch']}-rho{r['rho']}-seed{r['seed']}.json"
+        name = f"{sp_runs.run_stem(r['identity'])}.json"
         path = results / "runs" / "minilm_cpu" / r["task"] / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(r))
@@ -232,3 +242,36 @@ def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
                                                        ["3e-05", "32", "3", "55.00"],
                                                        ["0.0001", "32", "3", "57.00"],
                                                        ["3e-05", "32", "10", "56.50"]]
+
+
+def test_two_recipes_in_one_cell_are_refused(tmp_path, make_tables):
+    """A short check run filed beside the full run of the same method (another max_steps): the
+    tables refuse to average them and name the setting that differs and both files."""
+    write_runs(tmp_path)
+    odd = fake_run("cola", "gaussian", 0.1, 2, 30, 10, max_steps=30)
+    path = tmp_path / "runs/minilm_cpu/cola" / f"{sp_runs.run_stem(odd['identity'])}.json"
+    path.write_text(json.dumps(odd))
+    with pytest.raises(make_tables.MixedRecipes, match=r"differing in train\.max_steps") as info:
+        make_tables.main(["--results", str(tmp_path)])
+    assert path.name in str(info.value)
+
+
+def test_checkpointing_runs_get_their_own_row(tmp_path, make_tables):
+    write_runs(tmp_path)
+    ckpt = fake_run("cola", "blocksrht", 0.1, 1, 47, 80, share=True, gradient_checkpointing=True)
+    path = tmp_path / "runs/minilm_cpu/cola" / f"{sp_runs.run_stem(ckpt['identity'])}.json"
+    path.write_text(json.dumps(ckpt))
+    make_tables.main(["--results", str(tmp_path)])
+    table4 = (tmp_path / "tables/table4.md").read_text()
+    assert "| blocksrht | ours+ckpt | 0.1 | 47.00 |" in table4
+    assert "| blocksrht | ours | 0.1 | 48.00 |" in table4
+    assert "ckpt" not in (tmp_path / "tables/table2.md").read_text()
+
+
+def test_run_files_without_identity_are_refused(tmp_path, make_tables):
+    write_runs(tmp_path)
+    old = fake_run("cola", "dct", 0.1, 1, 40, 90)
+    del old["identity"], old["recipe"]
+    (tmp_path / "runs/minilm_cpu/cola/dct-rho0.1-seed1.json").write_text(json.dumps(old))
+    with pytest.raises(make_tables.MixedRecipes, match="migrate_runs.py"):
+        make_tables.main(["--results", str(tmp_path)])
