@@ -23,6 +23,10 @@ test: install  ## run the test suite (tiny models, no downloads)
 lint: install  ## ruff
 	$(PY) -m ruff check src tests scripts
 
+.PHONY: mutants
+mutants: install  ## plant one small bug at a time in a temp copy; fail if the tests miss one (~10 min)
+	$(PY) scripts/mutation_check.py $(ARGS)
+
 # make glue: each variable becomes a Hydra override only when given; the defaults (cola,
 # gaussian, rho 0.1, seed 1; the setup chosen for this machine) live in configs/ and
 # sketchprop.train.choose_setup. ARGS takes any other overrides.
