@@ -47,6 +47,42 @@ def cli(args, cwd, **extra_env):
         **extra_env), capture_output=True, text=True, timeout=300)
 
 
+def wandb_offline_run(folder):
+    """(summary, history rows) of the one offline wandb run under ``folder``, read from its
+    ``.wandb`` file: a LevelDB-style log (7-byte header, 32 KiB blocks, records of checksum,
+    length and type) of protobuf ``Record`` messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = folder.glob("offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, parts, summary, history = 32768, 7, b"", {}, []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind == 0 and length == 0):  # the padded end of a block
+            pos += left
+            continue
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (2, 3):  # FIRST, MIDDLE: the record continues in the next block
+            continue
+        record = pb.Record()
+        record.ParseFromString(parts)
+        parts = b""
+
+        def items(entries):
+            return {(e.key or "/".join(e.nested_key)): json.loads(e.value_json) for e in entries}
+
+        if record.WhichOneof("record_type") == "summary":
+            summary.update(items(record.summary.update))
+        elif record.WhichOneof("record_type") == "history":
+            history.append(items(record.history.item))
+    return summary, history
+
+
 def filed(root, pattern):
     """The one result file under ``root`` matching ``pattern`` (a glob)."""
     found = sorted(root.glob(pattern))
@@ -188,7 +224,14 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     assert (result["sketch"], result["rho"], result["seed"]) == ("gaussian", 0.5, 1)
     assert result["patched_layers"] == 12  # 2 layers x 6; scheme=ours leaves the head exact
     assert "sketchprop.train" in result["command"] and "method.rho=0.5" in result["overrides"]
-    assert list((tmp_path / "run/wandb").glob("offline-run-*")), "wandb offline run missing"
+    # The wandb run carries the memory and speed figures and the identity, and memory per log step.
+    summary, history = wandb_offline_run(tmp_path / "run/wandb")
+    for key in ("peak_memory_bytes", "saved_activation_bytes", "tokens_per_second",
+                "train_samples_per_second", "seconds_per_step", "torch_threads"):
+        assert summary[key] == result[key], key
+    assert summary["identity"] == result["identity"] and summary["recipe"] == result["recipe"]
+    memory = [h["train/memory/peak_bytes"] for h in history if "train/memory/peak_bytes" in h]
+    assert len(memory) == result["global_step"] and all(m > 0 for m in memory)
     before = copy.read_bytes()
 
     sweep = cli(["-m", *[o for o in base if o != "method.rho=0.5"], "method.rho=0.5,0.25"],

@@ -77,6 +77,8 @@ def test_choose_setup_offline_without_gpu_picks_the_cpu_setup(monkeypatch, capsy
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert choose_setup(["task=cola"]) == ["setup=cpu", "task=cola"]
+    assert choose_setup(["-m", "task=cola,rte"]) == ["-m", "setup=cpu", "task=cola,rte"]
+    assert choose_setup(["task=cola", "-m"]) == ["setup=cpu", "task=cola", "-m"]
     out = capsys.readouterr().out
     assert out.startswith("setup: cpu (no CUDA GPU and the Hugging Face hub unreachable)")
     assert "make glue SETUP=paper" in out

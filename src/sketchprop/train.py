@@ -157,7 +157,9 @@ def choose_setup(argv: list[str]) -> list[str]:
           f"in data/glue (or GLUE_DIR), the CPU recipe (3 epochs on up to 4000 examples, batch "
           f"32, 128 tokens). The paper's setup (roberta-base, the hub, a GPU): setup=paper "
           f"(make glue SETUP=paper).", flush=True)
-    return ["setup=cpu", *argv]
+    # Beside the other overrides: Hydra's parser takes them as one run of positional arguments.
+    first = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), len(argv))
+    return [*argv[:first], "setup=cpu", *argv[first:]]
 
 
 # ---------------------------------------------------------------------------------------------
