@@ -281,8 +281,16 @@ def check_import(copy: Path) -> None:
         raise SystemExit(f"the copy imports sketchprop from {where.strip()}, not from {copy}")
 
 
-def short(node: str) -> str:
-    return node.removeprefix("tests/")
+def catchers(failed: list[str]) -> str:
+    """Failed node ids, the cases of one parametrized test folded into a count."""
+    cases: dict[str, list[str]] = {}
+    for node in failed:
+        node = node.removeprefix("tests/")
+        cases.setdefault(node.split("[")[0], []).append(node)
+    out = []
+    for base, nodes in cases.items():
+        out.append(nodes[0] if len(nodes) == 1 else f"{base} ({len(nodes)} cases)")
+    return ", ".join(out)
 
 
 def main(argv=None) -> int:
@@ -338,7 +346,7 @@ def main(argv=None) -> int:
             finally:
                 path.write_text(original)
             if code == 1 and failed:
-                rows.append((m, "yes", ", ".join(short(f) for f in failed)))
+                rows.append((m, "yes", catchers(failed)))
             else:
                 status = "no" if code == 0 else f"error (exit {code})"
                 rows.append((m, status, tail.strip().splitlines()[-1] if tail.strip() else ""))
