@@ -202,7 +202,7 @@ def describe(runs: list[dict]) -> str:
         return "/".join(unset if v is None else str(v)
                         for v in sorted(found, key=lambda v: (v is None, v or 0)))
 
-    models = [f"{m} ({MODEL_NAMES[m]})" if m in MODEL_NAMES else m for m in models]
+    models = [f"{m} = {MODEL_NAMES[m]}" if m in MODEL_NAMES else m for m in models]
     return (f"Model: {', '.join(models)}. Hardware: {'; '.join(hardware)}. Commits: "
             f"{', '.join(commits)}. Recipe: {values('train', 'epochs')} epochs, batch "
             f"{values('train', 'batch_size')}, lr {values('train', 'learning_rate')}, max length "

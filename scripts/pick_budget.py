@@ -240,8 +240,9 @@ def check_against_peaks(rows: list[dict], fixed: dict, memory_dir: Path, task: s
     (roberta-base) that measured a peak."""
     out, kinds = [], set()
     by_name = {r["name"]: r for r in rows}
-    for path in sorted(memory_dir.glob("*.json")) if memory_dir.exists() else []:
-        p = json.loads(path.read_text())
+    points = [json.loads(f.read_text()) for f in memory_dir.glob("*.json")] \
+        if memory_dir.exists() else []
+    for p in sorted(points, key=lambda p: (p.get("padded_tokens", 0), p.get("table", ""))):
         if p.get("task") != task.lower().replace("-", "") or "--quick" in p.get("model", ""):
             continue
         for name, row in by_name.items():

@@ -15,7 +15,7 @@ thick lines a moving median over ``--window`` steps. Both panels carry the layer
 legend. Unless ``--title`` is given, the title names what the run file records: model, task, sketch,
 rate and layout, batch, epochs and steps, seed, and the scale (the CPU recipe or a GPU run).
 
-    python scripts/plot_variance.py results/runs/figure4/cola/gaussian-rho0.5-seed1.json
+    python scripts/plot_variance.py results/runs/figure4/cola/gaussian-rho0.5-seed1-*.json
     python scripts/plot_variance.py RUN.json --out results/figures/figure4_variance.png --window 25
 """
 
