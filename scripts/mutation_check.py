@@ -36,8 +36,8 @@ COPIED = ["src", "tests", "configs", "scripts", "pyproject.toml"]
 class Mutant:
     id: str
     file: str
-    old: str
-    new: str
+    old: str | tuple[str, ...]
+    new: str | tuple[str, ...]
     what: str
     tests: tuple[str, ...]
     k: str | None = None
@@ -236,7 +236,53 @@ MUTANTS: list[Mutant] = [
 
 # ---------------------------------------------------------------------------------------------
 # Run identity (src/sketchprop/runs.py): mutants of how a run is named, filed and found again.
-RUN_IDENTITY: list[Mutant] = []
+RU = "src/sketchprop/runs.py"
+IDENT = "tests/test_pipeline.py::test_identity_covers_every_setting_that_changes_the_result"
+RUN_IDENTITY: list[Mutant] = [
+    Mutant("identity-drops-train-key", RU,
+           'NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume")',
+           'NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume", "max_steps")',
+           "max_steps left out of the identity: a short check run stands in for the full run",
+           (IDENT, "tests/test_pipeline.py::test_a_short_run_never_stands_in_for_the_full_run"),
+           k="max_steps or short_run"),
+    Mutant("identity-ignores-data-limits", RU,
+           'limits = {k: config["data"].get(k) for k in ("max_train_samples", "max_eval_samples")}',
+           "limits = {}",
+           "the data limits left out of the identity",
+           (IDENT,), k="max_train_samples or max_eval_samples"),
+    Mutant("identity-ignores-data-content", RU,
+           'digest.update((Path(glue_dir) / task_dir / name).read_bytes())',
+           "pass",
+           "the data hash covers file names, not their content",
+           ("tests/test_pipeline.py::test_identity_follows_the_data_files_not_their_folder",)),
+    Mutant("recipe-hash-includes-seed", RU,
+           'recipe = {k: v for k, v in ident.items() if k != "seed"}',
+           "recipe = dict(ident)",
+           "the recipe hash changes with the seed (seeds no longer aggregate)",
+           ("tests/test_runs.py::test_recipe_hash_ignores_the_seed_only",)),
+    Mutant("done-ignores-identity", RU,
+           'if before.get("identity") != self.ident:',
+           "if False:",
+           "a filed result of another run under the same name is taken as done",
+           ("tests/test_pipeline.py::test_a_file_of_another_run_under_the_same_name_is_refused",)),
+    Mutant("keep-ignored", RU,
+           "root = Path(results_dir if keep else scratch_results_dir)",
+           "root = Path(results_dir)",
+           "runs not kept are filed in the tracked results folder",
+           ("tests/test_pipeline.py::test_runs_not_kept_leave_the_tracked_results_alone",)),
+    Mutant("resume-takes-incomplete", RU,
+           "        if _complete(path):\n            return path, passed",
+           "        if True:\n            return path, passed",
+           "resume from the newest checkpoint even if it is incomplete",
+           ("tests/test_pipeline.py::test_resume_passes_over_an_incomplete_checkpoint",)),
+    Mutant("seed-on-context", FN,
+           ('saved.append(seed_tensor(seed) if needs_seed else None)',
+            "seed = 0 if seed is None else int(seed)"),
+           ('saved.append(None)\n        ctx.seed_int = int(seed)',
+            "seed = ctx.seed_int"),
+           "the seed kept on the autograd context: checkpointing pairs two different sketches",
+           ("tests/test_checkpointing.py::test_weight_gradient_unbiased_under_checkpointing",)),
+]
 # ---------------------------------------------------------------------------------------------
 
 MUTANTS += RUN_IDENTITY
@@ -334,13 +380,18 @@ def main(argv=None) -> int:
         for m in chosen:
             path = copy / m.file
             original = path.read_text()
-            count = original.count(m.old)
-            if count != 1:
-                rows.append((m, "stale", f"snippet found {count} times in {m.file}"))
+            # A mutant is one snippet, or several planted together (a tuple of each).
+            olds, news = ((m.old,), (m.new,)) if isinstance(m.old, str) else (m.old, m.new)
+            counts = [original.count(o) for o in olds]
+            if counts != [1] * len(olds):
+                rows.append((m, "stale", f"snippets found {counts} times in {m.file}"))
                 bad += 1
                 continue
             t0 = time.time()
-            path.write_text(original.replace(m.old, m.new))
+            mutated = original
+            for o, n in zip(olds, news, strict=True):
+                mutated = mutated.replace(o, n)
+            path.write_text(mutated)
             try:
                 code, failed, tail = run_pytest(copy, pytest_args(m), args.timeout)
             finally:

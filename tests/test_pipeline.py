@@ -299,13 +299,35 @@ def test_exact_method_is_unpatched_and_named_rho_1(tmp_path, glue_dir):
 
 
 def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
+    import math
+
+    from sketchprop.variance import normalized_ratio
+
+    class RealTokens(TrainerCallback):
+        """The non-padding tokens of each training forward."""
+
+        counts: list[int] = []
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            model.register_forward_pre_hook(
+                lambda m, a, k: self.counts.append(int(k["attention_mask"].sum()))
+                if m.training else None, with_kwargs=True)
+
     layer = r"layer\.1\.intermediate\.dense$"
+    tokens = RealTokens()
     result = run(compose(overrides(tmp_path, glue_dir, f"method.track_variance='{layer}'")),
-                 output_dir=tmp_path / "run")
+                 output_dir=tmp_path / "run", callbacks=[tokens])
     records = result["variance"]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert {r["layer"] for r in records} == {"roberta.encoder.layer.1.intermediate.dense"}
-    assert all(r["d2_sgd"] > 0 and r["d2_rmm"] > 0 and r["ratio"] > 0 for r in records)
+    # skip_padding: each step's B is the batch's real tokens (the saved-bytes measurement after
+    # training makes one more forward); B_proj and the ratio follow from it.
+    assert [r["b"] for r in records] == tokens.counts[:len(records)]
+    for r in records:
+        assert r["sketch"] == "gaussian" and r["b_proj"] == max(16, math.ceil(0.1 * r["b"] - 1e-9))
+        assert r["d2_sgd"] > 0 and r["d2_rmm"] > 0
+        assert r["ratio"] == pytest.approx(
+            normalized_ratio(r["d2_rmm"], r["d2_sgd"], r["b"], r["b_proj"]), rel=1e-9)
     saved = json.loads(filed(tmp_path, "results/runs/default/cola/gaussian-rho0.1-seed1-*.json")
                        .read_text())
     assert saved["variance"] == records
@@ -504,15 +526,15 @@ def test_sigterm_on_the_command_line_prints_the_resume_command(tmp_path, glue_di
     import signal
 
     argv = [sys.executable, "-m", "sketchprop.train",
-            *overrides(tmp_path, glue_dir, "train.max_steps=100000", "train.logging_steps=1000")]
+            *overrides(tmp_path, glue_dir, "train.max_steps=100000", "train.logging_steps=1")]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # the run announces itself before it loads data and trains
-        if line.startswith("run:"):
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # the first training log line: the run is in its training loop
+        if "'loss'" in line:
             break
-    time.sleep(5)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=300)
+    err = out
     assert proc.returncode == 130, err[-2000:]
     assert "the same command again" in err and "sketchprop.train" in err
     assert "Traceback" not in err
