@@ -19,6 +19,7 @@ declare -A RUNS=(
     [roberta_time]="scripts/bench_model.py --models roberta-base --methods exact,paper,ours --parts bytes,time --threads $T --tag _roberta_time"
     [roberta_gauss]="scripts/bench_model.py --models roberta-base --methods exact,ours-gaussian,ours --parts bytes,time --threads $T --tag _roberta_gauss"
     [roberta_ckpt]="scripts/bench_model.py --models roberta-base --methods exact,ckpt,ckpt+ours --parts bytes,time --threads $T --tag _roberta_ckpt"
+    [roberta_ckpt2]="scripts/bench_model.py --models roberta-base --methods exact,ckpt,ckpt+ours --parts time --threads $T --repeats 5 --tag _roberta_ckpt2"
     [roberta_exactskip]="scripts/bench_model.py --models roberta-base --methods exact,exact-skip,ours --parts bytes,time --threads $T --tag _roberta_exactskip"
     [roberta_bytes]="scripts/bench_model.py --models roberta-base --methods exact,exact-skip,ckpt,paper,ours,ours-gaussian,ckpt+ours,ours-noshare,ours-noskip --parts bytes --threads $T --tag _roberta_bytes"
     [roberta_memory]="scripts/bench_model.py --models roberta-base --methods exact,exact-skip,ckpt,paper,ours,ckpt+ours --parts memory --threads $T --tag _roberta_memory"
@@ -26,7 +27,7 @@ declare -A RUNS=(
     [overhead]="scripts/backward_overhead.py --threads $T"
     [variance]="scripts/sketch_variance.py --threads $T --seeds 24"
 )
-ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_exactskip roberta_bytes
+ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 roberta_exactskip roberta_bytes
        roberta_memory minilm overhead variance)
 if [[ $# -gt 0 ]]; then ORDER=("$@"); fi
 
