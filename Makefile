@@ -50,7 +50,8 @@ smoke: install  ## tiny random RoBERTa end to end on toy GLUE files, all under o
 	$(if $(SMOKE),rm -rf -- "$(SMOKE)")
 	$(PY) -m sketchprop.glue $(SMOKE)/glue
 	$(PY) -m sketchprop.train experiment=smoke data.glue_dir=$(SMOKE)/glue hydra.run.dir=$(SMOKE)/run \
-		results_dir=$(SMOKE)/results checkpoints_dir=$(SMOKE)/checkpoints $(ARGS)
+		results_dir=$(SMOKE)/results scratch_results_dir=$(SMOKE)/results \
+		checkpoints_dir=$(SMOKE)/checkpoints $(ARGS)
 	@echo "smoke: $(SMOKE)/run/result.json"
 
 # ---------------------------------------------------------------------------------------------
