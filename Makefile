@@ -82,10 +82,10 @@ table4: install  ## Table 4 at paper scale (GPU, hub): CoLA, four sketches at 0.
 	$(TRAIN) -m experiment=table4 method=gaussian,rademacher,dct,dft method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table4 method=$(REC) scheme=ours method.rho=0.1,0.2,0.5 $(ARGS)
 
-tune-cpu: install  ## CPU tables, step 1: the exact MiniLM on CoLA dev at three learning rates (GLUE_DIR)
+tune-cpu: install  ## CPU tables, step 1: the exact MiniLM on CoLA dev at three learning rates (data/glue)
 	$(TRAIN) -m experiment=tune_cpu $(ARGS)
 
-table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.5/0.2/0.1, REC 0.2/0.1, seeds (GLUE_DIR)
+table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.5/0.2/0.1, REC 0.2/0.1, seeds (data/glue)
 	$(PY) scripts/majority_baseline.py
 	$(TRAIN) -m experiment=table2_cpu method=exact $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu method=gaussian method.rho=0.1,0.2,0.5 $(ARGS)
@@ -94,18 +94,19 @@ table2-cpu: install  ## Table 2 on this CPU: MiniLM, 5 tasks, exact, Gaussian 0.
 	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc,rte method=gaussian method.rho=0.1 train.seed=2,3 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=cola,mrpc,rte method=$(REC) scheme=ours method.rho=0.1 train.seed=2,3 $(ARGS)
 
-table4-cpu: install  ## Table 4 on this CPU: MiniLM on CoLA, five sketches at 0.5/0.2/0.1 (GLUE_DIR)
+table4-cpu: install  ## Table 4 on this CPU: MiniLM on CoLA, five sketches at 0.5/0.2/0.1, REC 0.1 with checkpointing (data/glue)
 	$(TRAIN) -m experiment=table4_cpu method=exact $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=gaussian,rademacher,dct,dft method.rho=0.1,0.2,0.5 $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.1,0.2,0.5 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.1 train.gradient_checkpointing=true train.seed=1,2,3 $(ARGS)
 
 figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 during CoLA training
 	$(TRAIN) experiment=figure4 $(ARGS)
-	$(PY) scripts/plot_variance.py results/runs/figure4/cola/gaussian-rho0.5-seed1.json
+	$(PY) scripts/plot_variance.py results/runs/figure4/cola/gaussian-rho0.5-seed1-*.json
 
-figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (GLUE_DIR), three layers tracked
+figure4-cpu: install  ## Figure 4 on this CPU: MiniLM on the real CoLA (data/glue), three layers tracked
 	$(TRAIN) experiment=figure4-minilm $(ARGS)
-	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1.json
+	$(PY) scripts/plot_variance.py results/runs/figure4-minilm/cola/gaussian-rho0.5-seed1-*.json
 
 memory: install  ## Table 3, Figure 3 on this CPU: roberta-base saved bytes (exact, paper, ours, checkpointing) at real task lengths, CoLA step peaks (QNLI: GLUE_DIR with QNLI)
 	$(PY) scripts/memory_table.py --points table3 --parts bytes $(ARGS)
