@@ -362,9 +362,11 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
         if sketch == "exact":
             step_name, layer_name = "exact", "nn.Linear"
         else:
+            # The benchmark times MiniLM steps without checkpointing, and one layer alone: no
+            # ratio of either stands for a checkpointed row.
             step_name = {"paper": f"paper@{rho:g}" if sketch == "gaussian" else None,
                          "ours": f"ours-{sketch}@{rho:g}"}.get(layout)
-            layer_name = f"{sketch}@{rho:g}"
+            layer_name = None if layout.endswith("ckpt") else f"{sketch}@{rho:g}"
         rows.append([
             sketch, layout, f"{rho:g}" if sketch != "exact" else "-",
             fmt_score([score(r) for r in rs]),
@@ -424,10 +426,10 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
     write_table(out / "tuning", ["task", "method", "learning rate", "batch", "epochs", "best-epoch score",
                                  "score per epoch", "runs"], rows, (
         "# Tuning of the CPU recipe (experiment=tune_cpu)\n\n"
-        "The exact MiniLM on dev at a few learning rates, batch sizes and epoch counts, with the recipe of "
-        "configs/experiment/table2_cpu.yaml otherwise (rows from runs/" + pool + " are that "
-        "table's own exact run). Highest dev score per task at: "
-        + ", ".join(best[t] for t in tasks) + ". The rate in table2_cpu.yaml "
+        "The exact MiniLM on dev at a few learning rates, batch sizes and epoch counts, with the CPU "
+        "recipe otherwise (configs/train/cpu.yaml, configs/setup/cpu.yaml; rows from runs/" + pool
+        + " are table2_cpu's own exact run). Highest dev score per task at: "
+        + ", ".join(best[t] for t in tasks) + ". The rate in configs/train/cpu.yaml "
         "(chosen on CoLA) is fixed for every task, sketch and rate; results/README.md says why "
         "other tasks' checks did not change it.\n\n" + describe(tuned)))
 

@@ -250,6 +250,7 @@ def test_result_records_the_commit_the_run_started_from(tmp_path, glue_dir, monk
     whether the tree was dirty) as it was before training."""
     head = {"commit": "a" * 40, "dirty": False}
     monkeypatch.setattr("sketchprop.runs.git_commit", lambda repo: (head["commit"], head["dirty"]))
+    monkeypatch.setattr("sketchprop.train._CODE_COMMIT", None)  # as in a fresh process
 
     class CommitDuringTraining(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -259,6 +260,10 @@ def test_result_records_the_commit_the_run_started_from(tmp_path, glue_dir, monk
                  callbacks=[CommitDuringTraining()])
     assert (result["git_commit"], result["git_dirty"]) == ("a" * 40, False)
     assert head["commit"] == "b" * 40  # the callback did run
+    # The next job of a sweep runs in the same process, on the same loaded code.
+    second = run(compose(overrides(tmp_path, glue_dir, "task=cola", "train.seed=2")),
+                 output_dir=tmp_path / "run2")
+    assert (second["git_commit"], second["git_dirty"]) == ("a" * 40, False)
 
 
 def test_regression_run_in_process_metrics_match_predictions(tmp_path, glue_dir):

@@ -354,6 +354,18 @@ def _threads(conf: Config) -> int:
         return os.cpu_count() or 1
 
 
+#: The checkout this process's code was loaded from, read once: a commit made during a long run, or
+#: between the jobs of a sweep (which share one process), is not the code that runs.
+_CODE_COMMIT: tuple[str | None, bool | None] | None = None
+
+
+def _code_commit() -> tuple[str | None, bool | None]:
+    global _CODE_COMMIT
+    if _CODE_COMMIT is None:
+        _CODE_COMMIT = runs.git_commit(REPO_ROOT)
+    return _CODE_COMMIT
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during a run; the message says how to continue it."""
 
@@ -374,9 +386,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
     if files.done(conf.overwrite):
         print(f"skip: {files.index} exists (overwrite=true reruns it)", flush=True)
         return None
-    # The code that runs is the checkout at the start: a commit made during a long run must not
-    # be recorded as the run's.
-    commit, dirty = runs.git_commit(REPO_ROOT)
+    commit, dirty = _code_commit()
     threads = _threads(conf)
     print(f"run: {conf.task.name}, {conf.model.name}, {conf.method.sketch.value}"
           f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
