@@ -21,13 +21,7 @@ from sketchprop.sketches import SKETCHES, BlockSRHT
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Thousands of tiny ops: one thread is several times faster than two on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_script(args: list[str], tmp_path: Path, timeout: int = 600) -> str:

@@ -13,13 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from sketchprop import SKETCHES, patch_linear
 from sketchprop.measure import SavedTensorMeter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Block(nn.Module):

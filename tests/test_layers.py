@@ -17,13 +17,7 @@ from sketchprop.sketches import Sketch, num_proj_rows
 RANDOM = [name for name, sk in SKETCHES.items() if not sk.exact]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Thousands of tiny ops: one thread is several times faster than two on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_layer(sketch, rho=0.25, n_in=8, n_out=6, **kw):

@@ -46,13 +46,7 @@ SAMPLES = {"gaussian": 20000, "rademacher": 20000}
 KINDS = [k for k in SKETCHES if k != "exact"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Thousands of tiny ops: one thread is several times faster than two on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_data(b=B, seed=0, dtype=torch.float64):
