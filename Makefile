@@ -46,7 +46,7 @@ glue: install  ## fine-tune one GLUE run: make glue TASK=cola RHO=0.1 SKETCH=gau
 # Everything smoke writes (toy data, run folder, result copy, checkpoints) stays under $(SMOKE).
 SMOKE ?= outputs/smoke
 
-smoke: install  ## tiny random RoBERTa end to end on toy GLUE files, all under outputs/smoke/ (about a minute)
+smoke: install  ## tiny random RoBERTa end to end on toy GLUE files, all under outputs/smoke/ (seconds)
 	$(if $(SMOKE),rm -rf -- "$(SMOKE)")
 	$(PY) -m sketchprop.glue $(SMOKE)/glue
 	$(PY) -m sketchprop.train experiment=smoke data.glue_dir=$(SMOKE)/glue hydra.run.dir=$(SMOKE)/run \
