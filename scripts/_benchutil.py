@@ -26,6 +26,7 @@ if str(ROOT / "src") not in sys.path:
 
 import torch  # noqa: E402
 
+from sketchprop.measure import usable_cores  # noqa: E402
 from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch  # noqa: E402
 
 RESULTS = ROOT / "results" / "bench"
@@ -36,14 +37,6 @@ GLUE = ROOT / "data" / "glue"
 def default_glue_dir() -> str:
     """``$GLUE_DIR`` when set, else the shipped ``data/glue``."""
     return os.environ.get("GLUE_DIR") or str(GLUE)
-
-
-def usable_cores() -> int:
-    """The number of cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def add_threads_arg(parser) -> None:

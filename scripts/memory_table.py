@@ -70,7 +70,7 @@ POINTS = {
 }
 QUICK_POINTS = {"table3": [("MRPC", 4), ("CoLA", 8)], "figure3": [("CoLA", b) for b in (4, 6)]}
 # Column indices of the sentence(s) in each task's dev.tsv (QNLI: question, sentence).
-COLUMNS = {**bm.TASKS, "QNLI": (1, 2)}
+COLUMNS = {**bm.TASKS, "QNLI": (1, 2), "WNLI": (1, 2)}
 RHOS = (0.5, 0.2, 0.1)
 MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
 
@@ -118,21 +118,21 @@ def record(point: dict | None, name: str) -> dict:
     return slot.get(rho, {}) if rho else slot
 
 
-def read_dev(glue_dir: Path, task: str) -> list[tuple[str, str | None]]:
+def read_split(glue_dir: Path, task: str, split: str = "dev") -> list[tuple[str, str | None]]:
+    """The sentences (or sentence pairs) of one split of a task folder in the GLUE layout."""
     import csv
 
     a, b = COLUMNS[task]
-    path = glue_dir / task / "dev.tsv"
-    with open(path, encoding="utf-8-sig", newline="") as f:
+    with open(glue_dir / task / f"{split}.tsv", encoding="utf-8-sig", newline="") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    rows = rows if task == "CoLA" else rows[1:]  # CoLA's files have no header row
+    rows = rows if task == "CoLA" and split != "test" else rows[1:]  # CoLA train/dev: no header
     return [(r[a], r[b] if b is not None else None) for r in rows if len(r) > max(a, b or 0)]
 
 
 def lengths_for(glue_dir: Path, task: str, batch: int) -> tuple[list[int], str]:
     """Token lengths of ``batch`` dev examples drawn with a fixed seed (with replacement where the
     dev set is smaller than the batch)."""
-    examples = read_dev(glue_dir, task)
+    examples = read_split(glue_dir, task)
     rng = random.Random(0)
     picked = (
         rng.sample(examples, batch)

@@ -35,7 +35,6 @@ the output compares the estimate with them.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
 import math
@@ -54,7 +53,6 @@ RHOS = mt.RHOS
 # GLUE folder of each task name (Hydra's names and the folder names both work).
 TASK_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "rte": "RTE", "stsb": "STS-B",
              "wnli": "WNLI", "qnli": "QNLI"}
-COLUMNS = {**mt.COLUMNS, "WNLI": (1, 2)}
 GIB = 2**30
 
 
@@ -66,15 +64,6 @@ def task_dir(name: str) -> str:
     if key not in TASK_DIRS:
         raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_DIRS)}")
     return TASK_DIRS[key]
-
-
-def read_split(glue_dir: Path, task: str, split: str = "train") -> list[tuple[str, str | None]]:
-    """The sentence (pairs) of one split of a GLUE task folder."""
-    a, b = COLUMNS[task]
-    with open(glue_dir / task / f"{split}.tsv", encoding="utf-8-sig", newline="") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    rows = rows if task == "CoLA" and split != "test" else rows[1:]  # CoLA train/dev: no header
-    return [(r[a], r[b] if b is not None else None) for r in rows if len(r) > max(a, b or 0)]
 
 
 def token_lengths(examples: list[tuple[str, str | None]], max_length: int) -> tuple[list[int], str]:
@@ -291,7 +280,7 @@ def main(argv=None) -> int:
     if args.budget_gib <= 0 or args.batch < 1 or args.ref_batch < 1:
         p.error("--budget-gib, --batch and --ref-batch must be positive")
     dev = bu.setup_device(args.device, args.threads)
-    examples = read_split(glue, task)
+    examples = mt.read_split(glue, task, "train")
     lengths, source = token_lengths(examples, args.max_length)
     ref = reference_lengths(lengths, args.ref_batch)
     l_max = max(lengths)

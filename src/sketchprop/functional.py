@@ -33,9 +33,9 @@ class SketchedLinearFunction(torch.autograd.Function):
     """``Y = X W^T + b`` with exact ``dX``, ``db`` and a sketched ``dW``.
 
     Args (to ``apply``): ``x`` (``..., N_in``), ``weight``, ``bias`` (or None), ``sx`` (``k x N_in``,
-    the stored sketch, or None when ``weight`` needs no gradient), ``sketch``, ``k``, ``seed``,
-    ``rows`` (indices of the rows the sketch covers, or None for all), ``seed`` an int or a 0-d
-    int64 tensor (saved for backward; see the module docstring), ``tracker`` (an optional
+    the stored sketch, or None when ``weight`` needs no gradient), ``sketch``, ``k``, ``seed`` (an
+    int or a 0-d int64 tensor, saved for backward; see the module docstring), ``rows`` (indices of
+    the rows the sketch covers, or None for all), ``tracker`` (an optional
     :class:`~sketchprop.variance.VarianceTracker`) and ``tstate`` (the tensor its ``forward``
     returned; saved for backward, then passed to ``tracker.backward``).
     """

@@ -9,6 +9,7 @@ A task is described by its config (``configs/task/*.yaml``, schema
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -30,6 +31,7 @@ __all__ = [
     "read_tsv",
     "resolve_glue_dir",
     "shipped",
+    "task_files",
     "tokenize",
     "use_hub_cache_only",
     "write_toy_glue",
@@ -78,10 +80,14 @@ def resolve_glue_dir(glue_dir: str | os.PathLike | None) -> Path | None:
     return None if value is None else Path(value).expanduser()
 
 
+def task_files(task) -> list[str]:
+    """The files a run of ``task`` reads from its folder: ``train.tsv`` and every dev file."""
+    return ["train.tsv", *[d.file for d in task.dev]]
+
+
 def shipped(task) -> bool:
     """Whether the task's files are among those shipped in :data:`SHIPPED_GLUE_DIR`."""
-    return all((SHIPPED_GLUE_DIR / task.dir / f).is_file()
-               for f in ["train.tsv", *[d.file for d in task.dev]])
+    return all((SHIPPED_GLUE_DIR / task.dir / f).is_file() for f in task_files(task))
 
 
 def check_local(task, glue_dir: Path) -> None:
@@ -89,8 +95,8 @@ def check_local(task, glue_dir: Path) -> None:
     if not glue_dir.is_dir():
         raise GlueDataError(f"GLUE folder {glue_dir} (data.glue_dir / GLUE_DIR) does not exist. "
                             + _how_to_fix(task))
-    needed = ["train.tsv"] + [d.file for d in task.dev]
-    missing = [f"{task.dir}/{f}" for f in needed if not (glue_dir / task.dir / f).is_file()]
+    missing = [f"{task.dir}/{f}" for f in task_files(task)
+               if not (glue_dir / task.dir / f).is_file()]
     if missing:
         raise GlueDataError(f"GLUE folder {glue_dir} lacks {', '.join(missing)} for task "
                             f"{task.name}. " + _how_to_fix(task))
@@ -100,11 +106,17 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub (``HF_ENDPOINT``) accepts a TCP connection within ``timeout`` s.
 
     False at once when ``HF_HUB_OFFLINE`` is set. Checking first turns minutes of download retries
-    into one clear error.
+    into one clear error. The answer is remembered per endpoint for the life of the process, so
+    the setup choice at launch and the run's own source check probe once between them.
     """
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    return _probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout)
+
+
+@functools.cache
+def _probe(endpoint: str, timeout: float) -> bool:
+    url = urlparse(endpoint)
     host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
     ok = []
 

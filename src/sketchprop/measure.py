@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import sys
@@ -18,7 +19,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["SavedTensorMeter", "peak_memory_bytes", "reset_peak_memory", "time_fn", "synchronize"]
+__all__ = ["SavedTensorMeter", "peak_memory_bytes", "reset_peak_memory", "synchronize", "time_fn",
+           "usable_cores"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -102,6 +104,15 @@ class SavedTensorMeter:
     @property
     def count(self) -> int:
         return len(self.records)
+
+
+def usable_cores() -> int:
+    """The number of cores this process may run on (its CPU affinity), at least 1: the default
+    torch thread count of training runs and benchmarks."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity outside Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

@@ -67,8 +67,7 @@ def _world_size() -> int:
 def run_files(conf: Config, cfg: DictConfig, glue_dir: Path | None) -> runs.RunFiles:
     """The run's identity and where its files go (see :mod:`sketchprop.runs`)."""
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    data = runs.data_source(glue_dir, conf.task.dir, ["train.tsv", *[d.file for d in conf.task.dev]],
-                            glue.HUB_DATASET)
+    data = runs.data_source(glue_dir, conf.task.dir, glue.task_files(conf.task), glue.HUB_DATASET)
     ident = runs.identity(config, data, _world_size())
     return runs.RunFiles.of(ident, _experiment(conf), conf.results_dir, conf.scratch_results_dir,
                             conf.checkpoints_dir, conf.keep, conf.model.name)
@@ -346,12 +345,9 @@ SUMMARY_KEYS = ("peak_memory_bytes", "saved_activation_bytes", "tokens_per_secon
 
 def _threads(conf: Config) -> int:
     """``threads``, or the number of cores this process may use."""
-    if conf.threads is not None:
-        return conf.threads
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    from .measure import usable_cores
+
+    return conf.threads if conf.threads is not None else usable_cores()
 
 
 #: The checkout this process's code was loaded from, read once: a commit made during a long run, or
