@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--shapes", default="768x768,768x3072,3072x768")
     p.add_argument("--rows", default="2048,4096")
-    p.add_argument("--sketches", default="exact,gaussian,rademacher,dct,dft,blocksrht,rowsample",
+    p.add_argument("--sketches", default="exact,gaussian,rademacher,dct,dft,blocksrht,rowsample,importance",
                    help="names in SKETCHES, or blocksrht:B for block size B")
     p.add_argument("--rhos", default="0.5,0.2,0.1")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])

@@ -1,5 +1,6 @@
 """Layer level: RandomizedLinear and the sketches it uses."""
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from sketchprop.measure import SavedTensorMeter
 from sketchprop.sketches import Sketch, num_proj_rows
 
 RANDOM = [name for name, sk in SKETCHES.items() if not sk.exact]
+SEEDED = [name for name in RANDOM if not SKETCHES[name].data_dependent]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,8 +94,15 @@ class Scaled(Sketch):
     base: Sketch = SKETCHES["gaussian"]
     factor: float = 1.0
 
+    def __post_init__(self):
+        object.__setattr__(self, "data_dependent", self.base.data_dependent)
+
     def apply(self, a, k, seed, rows=None):
         return self.base.apply(a, k, seed, rows) * self.factor
+
+    def plan(self, *args, **kwargs):
+        plan = self.base.plan(*args, **kwargs)
+        return dataclasses.replace(plan, scale=plan.scale * self.factor)
 
 
 def unbiased_data():
@@ -166,6 +175,12 @@ def test_fresh_sketch_per_call_same_sketch_per_seed(sketch):
     assert not torch.allclose(dw1, dw2)  # a new seed per forward call
 
     sk = SKETCHES[sketch]
+    if sk.data_dependent:  # the same seed and state give the same plan; another seed another
+        w = torch.ones(64)
+        k = num_proj_rows(64, 0.25, 1)
+        p1, p2, p3 = (sk.plan(x, k, s, None, w) for s in (123, 123, 124))
+        assert torch.equal(p1.index, p2.index) and not torch.equal(p1.index, p3.index)
+        return
     k = num_proj_rows(64, 0.25, 1)
     assert not torch.allclose(sk.apply(x, k, 123), sk.apply(x, k, 124))  # the seed is used
     # Backward regenerates the forward's S: dW equals dY^T S S^T X with S read off the identity.
@@ -195,8 +210,12 @@ def test_saved_bytes_scale_with_rho(sketch, rho):
     x = torch.randn(4, b // 4, n_in)
     with SavedTensorMeter(layer) as meter:
         layer(x).sum().backward()
-    # The sketch S^T X, and for a random sketch the 8-byte seed that regenerates S in backward.
-    expect = b * n_in * 4 if sketch == "exact" else math.ceil(rho * b) * n_in * 4 + 8
+    # The sketch S^T X, and for a random sketch the 8-byte seed that regenerates S in backward;
+    # importance sampling saves k int32 row indices, k float32 scales and its 8-byte top count.
+    k = math.ceil(rho * b)
+    expect = b * n_in * 4 if sketch == "exact" else k * n_in * 4 + 8
+    if SKETCHES[sketch].data_dependent:
+        expect += 8 * k
     assert meter.bytes == expect
 
 
@@ -240,7 +259,7 @@ def test_fewer_rows_than_min_rows_is_exact():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("sketch", ["exact", "gaussian", "dct", "blocksrht"])
+@pytest.mark.parametrize("sketch", ["exact", "gaussian", "dct", "blocksrht", "importance"])
 def test_autocast(dtype, sketch):
     layer = make_layer(sketch, rho=0.5, n_in=16, n_out=8, min_rows=1, seed=4)
     ref = nn.Linear(16, 8)

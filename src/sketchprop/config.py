@@ -25,6 +25,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from .allocation import ALLOCATIONS
 from .layers import DEFAULT_MIN_ROWS
 from .sketches import SKETCHES
 
@@ -58,6 +59,7 @@ SketchName = enum.Enum("SketchName", {name: name for name in SKETCHES}, type=str
 Metric = enum.Enum("Metric", {m: m for m in ("matthews", "accuracy", "f1", "pearson", "spearman")},
                    type=str)
 Precision = enum.Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16")}, type=str)
+Allocate = enum.Enum("Allocate", {a: a for a in ALLOCATIONS}, type=str)
 WandbMode = enum.Enum("WandbMode", {m: m for m in ("offline", "online", "disabled")}, type=str)
 
 
@@ -143,6 +145,9 @@ class MethodConfig:
     # Regex on patched layer names whose D2_SGD / D2_RMM are recorded every step (result.json
     # key "variance", wandb "variance/<layer>/..."); costs B floats of memory per tracked layer.
     track_variance: str | None = None
+    # uniform: every layer at rho; variance: the same stored bytes, rows moved to the layers with
+    # the noisiest gradients, learned online (sketchprop.allocation)
+    allocate: Allocate = Allocate.uniform
 
     def __post_init__(self):
         _check(0.0 < self.rho <= 1.0, "method.rho", self.rho,

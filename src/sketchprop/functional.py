@@ -9,6 +9,10 @@ Forward computes ``Y = X W^T + b`` exactly and keeps, for backward, only what ea
 ``X`` itself is never saved. The sketch ``S^T X`` is formed by the caller (under ``no_grad``) so that
 layers reading the same tensor can share one sketch; this Function only stores it.
 
+A data-dependent sketch (``importance``) cannot be regenerated from a seed without ``X``: forward
+passes its plan (the ``k`` row indices, ``k`` scales and the top-set size), which is saved in the
+seed's place, and backward applies it to ``dY``.
+
 The seed is saved as a tensor (8 bytes), beside the sketch it made, not as a Python attribute of
 the autograd context. Activation checkpointing (``torch.utils.checkpoint``, HF
 ``gradient_checkpointing_enable``) discards the saved tensors in forward and recomputes them in
@@ -24,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sketches import Sketch
+from .sketches import ImportancePlan, Sketch
 
 __all__ = ["SketchedLinearFunction", "seed_tensor", "sketched_linear"]
 
@@ -37,15 +41,18 @@ class SketchedLinearFunction(torch.autograd.Function):
     int or a 0-d int64 tensor, saved for backward; see the module docstring), ``rows`` (indices of
     the rows the sketch covers, or None for all), ``tracker`` (an optional
     :class:`~sketchprop.variance.VarianceTracker`) and ``tstate`` (the tensor its ``forward``
-    returned; saved for backward, then passed to ``tracker.backward``).
+    returned; saved for backward, then passed to ``tracker.backward``), ``plan`` (an
+    :class:`~sketchprop.sketches.ImportancePlan` for a data-dependent sketch, saved instead of the
+    seed) and ``hooks`` (callables ``hook(dy2, x_shape, rows, sx, sdy, dw, ntop)`` run after the
+    weight gradient: the gradient-norm estimate and the row allocation learn from them).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, sx, sketch: Sketch, k: int, seed: int, rows, tracker,
-                tstate=None):
+                tstate=None, plan=None, hooks=()):
         out = F.linear(x, weight, bias)
         need_x, need_w, _ = ctx.needs_input_grad[:3]
-        ctx.sketch, ctx.k, ctx.tracker = sketch, k, tracker
+        ctx.sketch, ctx.k, ctx.tracker, ctx.hooks = sketch, k, tracker, hooks
         ctx.x_shape = x.shape
         ctx.has_rows = rows is not None
         # Save only what the requested gradients need: a frozen weight keeps no sketch at all, and
@@ -53,14 +60,16 @@ class SketchedLinearFunction(torch.autograd.Function):
         saved = [weight if need_x else None, sx if need_w else None]
         saved.append(rows if (need_w and rows is not None) else None)
         saved.append(tstate if (need_w and tracker is not None) else None)
-        needs_seed = need_w and sketch.name != "exact"
+        needs_seed = need_w and sketch.name != "exact" and plan is None
         saved.append(seed_tensor(seed) if needs_seed else None)
+        saved.extend([plan.index, plan.scale, plan.ntop] if (need_w and plan is not None)
+                     else [None, None, None])
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        weight, sx, rows, tstate, seed = ctx.saved_tensors
+        weight, sx, rows, tstate, seed, index, scale, ntop = ctx.saved_tensors
         seed = 0 if seed is None else int(seed)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -68,13 +77,20 @@ class SketchedLinearFunction(torch.autograd.Function):
         if need_x:
             dx = (dy2 @ weight).reshape(ctx.x_shape)
         if need_w:
-            sdy = ctx.sketch.apply(dy2, ctx.k, seed, rows)
+            if index is not None:
+                sdy = ImportancePlan(index, scale, ntop).apply(dy2)
+                ntop = int(ntop)
+            else:
+                sdy = ctx.sketch.apply(dy2, ctx.k, seed, rows)
+                ntop = 0
             dw = sdy.T @ sx
             if ctx.tracker is not None:
-                ctx.tracker.backward(tstate, dy2, rows, sdy, sx, dw, ctx.sketch, ctx.k)
+                ctx.tracker.backward(tstate, dy2, rows, sdy, sx, dw, ctx.sketch, ctx.k, ntop)
+            for hook in ctx.hooks:
+                hook(dy2, ctx.x_shape, rows, sx, sdy, dw, ntop)
         if need_b:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def seed_tensor(seed) -> Tensor:
@@ -97,8 +113,12 @@ def sketched_linear(
 ) -> Tensor:
     """Functional form: ``F.linear`` whose weight gradient is sketched with ``k`` rows.
 
-    ``sx`` may be passed in (a sketch shared with other layers); otherwise it is formed here.
+    ``sx`` may be passed in (a sketch shared with other layers); otherwise it is formed here. A
+    data-dependent sketch needs its state: use :class:`~sketchprop.layers.RandomizedLinear`.
     """
+    if sketch.data_dependent:
+        raise TypeError(f"sketch {sketch.name!r} depends on X and a per-layer state; "
+                        "use RandomizedLinear")
     tstate = None
     if weight.requires_grad and torch.is_grad_enabled():
         with torch.no_grad():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .functional import SketchedLinearFunction, seed_tensor
-from .sketches import SKETCHES, Sketch, get_sketch, num_proj_rows
+from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
 
 __all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "resolve_rho"]
 
@@ -46,14 +46,15 @@ class SketchContext:
       ``attention_mask`` by a forward pre-hook (``skip_padding``). It stays until the next model call,
       so activation-checkpoint recomputation in backward sees the same rows.
     - a cache of sketches by input tensor (``share_inputs``): layers that read the same tensor
-      (Q, K, V) reuse one ``S^T X`` and one seed. Entries hold weak references only, so the cache
-      never keeps an input or a sketch alive.
+      (Q, K, V) reuse one ``S^T X`` and its seed (or plan, for a data-dependent sketch), and learn
+      who formed it. Entries hold weak references to the input and the sketch, so the cache never
+      keeps either alive.
     """
 
     def __init__(self):
         self.mask_shape: tuple[int, ...] | None = None
         self.rows: Tensor | None = None
-        self._shared: dict[tuple, tuple[weakref.ref, weakref.ref, Tensor]] = {}
+        self._shared: dict[tuple, tuple] = {}
 
     def set_mask(self, mask: Tensor | None) -> None:
         if mask is None or mask.dim() != 2:
@@ -68,21 +69,22 @@ class SketchContext:
             return self.rows
         return None
 
-    def lookup(self, key: tuple, x: Tensor) -> tuple[Tensor, Tensor] | None:
+    def lookup(self, key: tuple, x: Tensor) -> tuple | None:
+        """``(sx, seed, plan, owner)`` stored for input ``x`` under ``key``, or None."""
         hit = self._shared.get(key)
         if hit is None:
             return None
-        x_ref, sx_ref, seed = hit
+        x_ref, sx_ref, *rest = hit
         sx = sx_ref()
         if x_ref() is not x or sx is None:
             del self._shared[key]
             return None
-        return sx, seed
+        return (sx, *rest)
 
-    def store(self, key: tuple, x: Tensor, sx: Tensor, seed: Tensor) -> None:
-        for k in [k for k, (xr, sr, _) in self._shared.items() if xr() is None or sr() is None]:
+    def store(self, key: tuple, x: Tensor, sx: Tensor, seed, plan, owner) -> None:
+        for k in [k for k, (xr, sr, *_) in self._shared.items() if xr() is None or sr() is None]:
             del self._shared[k]
-        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed)
+        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed, plan, owner)
 
 
 class RandomizedLinear(nn.Linear):
@@ -141,6 +143,10 @@ class RandomizedLinear(nn.Linear):
         self.share_inputs, self.skip_padding = share_inputs, skip_padding
         self.context = context
         self.tracker = None  # set by variance tracking
+        self.allocation = None  # a VarianceAllocation, set by patch_linear(allocate="variance")
+        # The running gradient-norm estimate of a data-dependent sketch; layers that share one
+        # sketch (share_inputs) share it too.
+        self.grad_norms = GradNormEstimate() if self.sketch.data_dependent else None
         self._gen: torch.Generator | None = None
         self.calls = 0
 
@@ -191,24 +197,38 @@ class RandomizedLinear(nn.Linear):
 
         rows = self.context.rows_for(x) if (self.skip_padding and self.context) else None
         n = x.numel() // x.shape[-1] if rows is None else rows.shape[0]
-        k = num_proj_rows(n, self.rho, self.min_rows)
+        rho = self.rho
+        if self.allocation is not None:
+            rho = min(1.0, rho * self.allocation.factor(self.name))
+        k = num_proj_rows(n, rho, self.min_rows)
         sketch = self.sketch if k < n else SKETCHES["exact"]
 
-        sx, seed, tstate = None, 0, None
+        sx, seed, plan, tstate, hooks = None, 0, None, None, []
         if self.weight.requires_grad:
             key = (sketch.name, k, inp.dtype, rows is not None)
             shared = self.share_inputs and self.context is not None
             hit = self.context.lookup(key, x) if shared else None
             if hit is not None:
-                sx, seed = hit
+                sx, seed, plan, owner = hit
+                self._join(owner)
             else:
                 draw = self._next_seed()
+                x2 = inp.detach().reshape(-1, self.in_features)
                 with torch.no_grad():
-                    sx = sketch.apply(inp.detach().reshape(-1, self.in_features), k, draw, rows)
-                # One seed tensor per sketch: layers sharing the sketch save it once.
-                seed = seed_tensor(draw)
+                    if sketch.data_dependent:
+                        weights = self.grad_norms.weights(tuple(x.shape), rows, x.device)
+                        plan = sketch.plan(x2, k, draw, rows, weights)
+                        sx = plan.apply(x2)
+                    else:
+                        sx = sketch.apply(x2, k, draw, rows)
+                        # One seed tensor per sketch: layers sharing the sketch save it once.
+                        seed = seed_tensor(draw)
                 if shared:
-                    self.context.store(key, x, sx, seed)
+                    self.context.store(key, x, sx, seed, plan, self)
+            if sketch.data_dependent:
+                hooks.append(self.grad_norms.hook())
+            if self.allocation is not None and not sketch.exact:
+                hooks.append(self.allocation.hook(self.name, self.rho, sketch, k))
             if self.tracker is not None:  # variance tracking: B row norms, saved for backward
                 with torch.no_grad():
                     tstate = self.tracker.forward(inp.detach().reshape(-1, self.in_features),
@@ -216,7 +236,17 @@ class RandomizedLinear(nn.Linear):
 
         with torch.autocast(device_type, enabled=False) if autocast else nullcontext():
             return SketchedLinearFunction.apply(inp, weight, bias, sx, sketch, k, seed, rows,
-                                                self.tracker, tstate)
+                                                self.tracker, tstate, plan, tuple(hooks))
+
+    def _join(self, owner: RandomizedLinear) -> None:
+        """This layer reuses the sketch ``owner`` formed: learn one gradient-norm estimate for
+        both (the sketch serves both) and move rows together."""
+        if owner is self:
+            return
+        if self.grad_norms is not None and owner.grad_norms is not None:
+            self.grad_norms = owner.grad_norms
+        if self.allocation is not None:
+            self.allocation.share(self.name, owner.name)
 
 
 def resolve_rho(rho: float | Mapping[str, float], name: str) -> float:

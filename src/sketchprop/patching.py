@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from .allocation import ALLOCATIONS, VarianceAllocation
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, resolve_rho
 from .sketches import get_sketch
 from .variance import VarianceTracker, estimator_design, select_layers
@@ -76,6 +77,7 @@ def patch_linear(
     min_rows: int = DEFAULT_MIN_ROWS,
     seed: int = 0,
     track_variance=None,
+    allocate: str = "uniform",
 ) -> list[str]:
     """Replace ``nn.Linear`` modules of ``model`` in place by :class:`RandomizedLinear`.
 
@@ -98,14 +100,18 @@ def patch_linear(
             :mod:`sketchprop.variance`): a regex on the replaced names, a list of them, or True for
             all. Each gets a :class:`~sketchprop.variance.VarianceTracker` (``B`` floats of saved
             memory per forward); read the records with ``sketchprop.variance.collect(model)``.
+        allocate: ``"uniform"`` (every layer at its ``rho``) or ``"variance"``: keep the total
+            stored bytes of the uniform rates and move rows between layers to minimise the summed
+            normalised gradient variance, learned online (:mod:`sketchprop.allocation`).
 
     Returns:
         The qualified names of the replaced modules, in module order.
 
     Raises:
         ValueError: unknown sketch, ``rho`` outside (0, 1], invalid regex, a model already patched,
-            patterns that match no ``nn.Linear``, or a ``track_variance`` that selects no replaced
-            layer (or names one that is not replaced). Nothing is changed when it raises.
+            patterns that match no ``nn.Linear``, a ``track_variance`` that selects no replaced
+            layer (or names one that is not replaced), or an unknown ``allocate``. Nothing is
+            changed when it raises.
     """
     sketch_obj = get_sketch(sketch)
     if getattr(model, _HOOKS, None) is not None:
@@ -120,6 +126,11 @@ def patch_linear(
     rates = {name: resolve_rho(rho, name) for name in names}
     if int(min_rows) < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
+    if allocate not in ALLOCATIONS:
+        raise ValueError(f"unknown allocate {allocate!r}; choose one of {list(ALLOCATIONS)}")
+    if allocate == "variance":
+        estimator_design(sketch_obj, 2, 1)  # the allocation uses the same online estimator
+    allocation = VarianceAllocation() if allocate == "variance" else None
     tracked = set(select_layers(names, track_variance))
     if tracked:
         estimator_design(sketch_obj, 2, 1)  # raises for a kind without an online estimator
@@ -140,6 +151,7 @@ def patch_linear(
         )
         if name in tracked:
             new.tracker = VarianceTracker(name)
+        new.allocation = allocation
         setattr(parent, child, new)
     return names
 

@@ -61,7 +61,7 @@ NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume")
 
 #: Settings added after runs were filed, at the value that reproduces the runs made before they
 #: existed. At that value a setting is left out of the identity, so adding one renames nothing.
-NEUTRAL = {"train.gradient_checkpointing": False, "world_size": 1}
+NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1}
 
 #: Files that a complete HF Trainer checkpoint holds; ``trainer_state.json`` is written last.
 CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")

@@ -19,6 +19,10 @@ Cost (``B`` rows, ``N`` columns, ``k`` sampled rows), measured in ``scripts/benc
 - ``blocksrht``: a randomized Hadamard transform within blocks of 8 rows, only the ``k`` sampled
   rows computed: ``O(8 k N)``, one sparse (CSR) product on CPU, 8 gathers elsewhere.
 - ``rowsample``: ``k`` rows sampled uniformly without replacement: one gather, ``O(k N)``.
+- ``importance``: a deterministic top set plus rows drawn with replacement, with probabilities
+  from the row norms of ``X`` and a running estimate of the output-gradient row norms
+  (:class:`Importance`); row norms, a top-``k`` and one gather: ``O(B N + k N)``. Its sampled rows
+  depend on ``X``, so it saves the ``k`` row indices and scales instead of a seed (``plan``).
 
 Every kind computes in the input's dtype where it can (FFTs in float32 for 16-bit inputs).
 """
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SKETCHES", "Sketch", "get_sketch", "num_proj_rows"]
+__all__ = ["SKETCHES", "GradNormEstimate", "Importance", "Sketch", "get_sketch", "num_proj_rows"]
 
 
 def num_proj_rows(b: int, rho: float, min_rows: int) -> int:
@@ -77,6 +81,9 @@ class Sketch:
     name: str = "base"
     #: True when the forward stores ``X`` itself (no compression, no variance).
     exact: bool = False
+    #: True when ``S`` depends on ``X`` (see :class:`Importance`): the layer forms a ``plan`` in
+    #: forward and backward applies it, as no seed can regenerate ``S`` without ``X``.
+    data_dependent: bool = False
 
     def apply(self, a: Tensor, k: int, seed: int, rows: Tensor | None = None) -> Tensor:
         raise NotImplementedError
@@ -333,6 +340,203 @@ class BlockSRHT(Sketch):
         return out
 
 
+@dataclass
+class ImportancePlan:
+    """The ``S`` of one :class:`Importance` call: ``S^T A = scale[:, None] * A[index]``.
+
+    ``index`` (``k``, int32 or int64) are absolute row numbers into the flattened ``A``, the first
+    ``ntop`` of them the deterministic top set (scale 1). ``ntop`` is a 0-d CPU int64 tensor so that
+    all three can be saved for backward (and replaced together under activation checkpointing).
+    """
+
+    index: Tensor
+    scale: Tensor
+    ntop: Tensor
+
+    def apply(self, a: Tensor) -> Tensor:
+        """``S^T a`` for the flattened ``a`` (``B x N``)."""
+        return a.index_select(0, self.index).mul_(self.scale.to(a.dtype)[:, None])
+
+
+class GradNormEstimate:
+    """A running estimate of the output-gradient row norms of one layer, per token position.
+
+    For a 3-D input ``(batch, T, N)`` flattened to rows, row ``r`` is at position ``r % T``; a 2-D
+    input is one position. Backward calls :meth:`update` with ``dY``: each row's ``|dy_r|^2``,
+    divided by the batch mean of ``|dy|^2`` (so the scale of the loss, a loss scaler or the layer
+    does not matter, and layers that share one sketch count alike), is averaged per position; the
+    next :meth:`weights` folds those means into an exponential moving average with ``decay``.
+    :meth:`weights` predicts ``|dy_r|`` as the square root of that average at the row's position,
+    and the mean over positions seen so far where a position was never seen (all ones before the
+    first update).
+
+    Memory: three float32 vectors of the longest sequence length seen, ``O(B)`` per layer at most,
+    never per example. The state is not part of the ``state_dict`` and starts afresh in each process
+    (under DDP each rank learns its own).
+    """
+
+    def __init__(self, decay: float = 0.9):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = decay
+        self.mean_sq: Tensor | None = None  # EMA of normalised |dy|^2 per position; NaN unseen
+        self._acc: Tensor | None = None     # sums since the last fold, and their counts
+        self._cnt: Tensor | None = None
+        self.updates = 0
+
+    @staticmethod
+    def positions(shape: tuple[int, ...], rows: Tensor | None, device) -> tuple[Tensor, int]:
+        """The position of each covered row of an input of ``shape``, and the sequence length."""
+        t = shape[-2] if len(shape) >= 3 else 1
+        r = torch.arange(math.prod(shape[:-1]), device=device) if rows is None else rows
+        return (r % t if t > 1 else torch.zeros_like(r)), t
+
+    def _grow(self, t: int, device) -> None:
+        if self.mean_sq is None:
+            self.mean_sq = torch.full((t,), math.nan, device=device)
+            self._acc = torch.zeros(t, device=device)
+            self._cnt = torch.zeros(t, device=device)
+        elif self.mean_sq.shape[0] < t:
+            extra = t - self.mean_sq.shape[0]
+            self.mean_sq = torch.cat([self.mean_sq, self.mean_sq.new_full((extra,), math.nan)])
+            self._acc = torch.cat([self._acc, self._acc.new_zeros(extra)])
+            self._cnt = torch.cat([self._cnt, self._cnt.new_zeros(extra)])
+
+    @torch.no_grad()
+    def update(self, dy2: Tensor, shape: tuple[int, ...], rows: Tensor | None) -> None:
+        """Add the row norms of the output gradient ``dy2`` (``B x N_out``) of an input of
+        ``shape``; ``rows``: the covered rows (None for all). ``O(B N_out)`` flops."""
+        sq = torch.linalg.vector_norm(dy2, dim=1, dtype=torch.float32).square()
+        if rows is not None:
+            sq = sq.index_select(0, rows)
+        pos, t = self.positions(shape, rows, dy2.device)
+        self._grow(t, dy2.device)
+        sq = sq / sq.mean().clamp_min(torch.finfo(torch.float32).tiny)
+        self._acc.index_add_(0, pos, sq)
+        self._cnt.index_add_(0, pos, torch.ones_like(sq))
+        self.updates += 1
+
+    def _fold(self) -> None:
+        if self._cnt is None:
+            return
+        seen = self._cnt > 0
+        new = self._acc / self._cnt.clamp_min(1)
+        old = self.mean_sq
+        mixed = torch.where(torch.isnan(old), new, self.decay * old + (1 - self.decay) * new)
+        self.mean_sq = torch.where(seen, mixed, old)
+        self._acc.zero_()
+        self._cnt.zero_()
+
+    @torch.no_grad()
+    def weights(self, shape: tuple[int, ...], rows: Tensor | None, device) -> Tensor:
+        """Predicted ``|dy_r|`` (up to a common factor) of each covered row, float32."""
+        pos, t = self.positions(shape, rows, device)
+        if self.mean_sq is None:
+            return torch.ones(pos.shape[0], device=device)
+        self._fold()
+        self._grow(t, device)
+        est = self.mean_sq
+        fill = torch.nanmean(est)
+        est = torch.where(torch.isnan(est), fill, est).clamp_min(0)
+        return est.index_select(0, pos).sqrt()
+
+    def hook(self):
+        """A backward hook for :class:`~sketchprop.functional.SketchedLinearFunction`."""
+        def update(dy2, x_shape, rows, sx, sdy, dw, ntop):
+            self.update(dy2, tuple(x_shape), rows)
+        return update
+
+    def nbytes(self) -> int:
+        """Bytes of state held."""
+        return sum(v.numel() * v.element_size() for v in (self.mean_sq, self._acc, self._cnt)
+                   if v is not None)
+
+
+@dataclass(frozen=True)
+class Importance(Sketch):
+    """Importance row sampling: a deterministic top set, the rest drawn with replacement.
+
+    Each covered row ``i`` gets a score ``s_i = |x_i| w_i``, with ``w_i`` the predicted output-
+    gradient row norm (:class:`GradNormEstimate`; ``|x_i| |dy_i|`` is the optimal score for row
+    sampling, and ``dY`` is not known in forward). The ``c`` largest scores form the top set
+    ``T``, kept with scale 1; ``c`` minimises the predicted variance ``S_R(c)^2 / (k - c)`` (``S_R``
+    the summed score outside ``T``) with at least 2 rows left to draw. The other ``m = k - c``
+    rows are drawn with replacement from the rest ``R`` with probabilities
+
+        p_i = (1 - floor) s_i / S_R + floor / |R|          (i in R)
+
+    and scaled by ``1 / sqrt(m p_i)``. Then
+
+        E[dW] = sum_T y_i x_i^T + E[(1/m) sum_j y_j x_j^T / p_j] = dY^T X
+
+    because every row of ``R`` has ``p_i >= floor / |R| > 0``: the estimate is unbiased for *any*
+    state of the estimate ``w`` (a wrong estimate costs variance, never bias). Its variance is
+
+        V = (1/m) (sum_R |x_i|^2 |y_i|^2 / p_i - |X_R^T Y_R|_F^2).
+
+    Forward saves the ``k`` sampled rows of ``X`` (scaled) plus ``k`` row indices and ``k`` scales
+    (:class:`ImportancePlan`), 8 bytes per row more than a seeded sketch's at int32 indices. Costs
+    ``O(B N)`` for the row norms plus a top-``k`` over ``B``. Choosing ``c`` needs the scores on the
+    host: one device synchronisation per forward on a GPU.
+    """
+
+    name: str = "importance"
+    data_dependent: bool = True
+    #: share of the sampling probability spread uniformly over the rest (the unbiasedness floor)
+    floor: float = 0.1
+
+    def __post_init__(self):
+        if not 0.0 < self.floor <= 1.0:
+            raise ValueError(f"floor must be in (0, 1], got {self.floor}")
+
+    def apply(self, a, k, seed, rows=None):
+        raise TypeError("the importance sketch depends on X and the gradient-norm estimate; "
+                        "form it with plan(...) (RandomizedLinear does)")
+
+    def design(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor, int]:
+        """``(top, p, m)`` for scores of the covered rows: ``top`` local indices of the top set,
+        ``p`` (float64, over all covered rows, zero on ``top``) and ``m`` rows to draw."""
+        n = scores.shape[0]
+        s = scores.double().clamp_min(0)
+        c = 0
+        if k > 2:
+            top_vals, top_idx = torch.topk(s, k - 2)
+            rest = s.sum() - torch.cat([s.new_zeros(1), top_vals.cumsum(0)])  # S_R(c), c=0..k-2
+            c = int(torch.argmin(rest.square() / torch.arange(k, 1, -1, device=s.device,
+                                                               dtype=s.dtype)))
+            top = top_idx[:c]
+        else:
+            top = torch.zeros(0, dtype=torch.int64, device=s.device)
+        in_rest = torch.ones(n, dtype=torch.bool, device=s.device)
+        in_rest[top] = False
+        s = s * in_rest
+        total = s.sum()
+        n_rest = n - c
+        uniform = in_rest.double() / n_rest
+        if total > 0:
+            p = (1 - self.floor) * s / total + self.floor * uniform
+        else:
+            p = uniform
+        return top, p, k - c
+
+    def plan(self, a: Tensor, k: int, seed: int, rows: Tensor | None, weights: Tensor,
+             index_dtype: torch.dtype = torch.int32) -> ImportancePlan:
+        """Draw the ``k`` rows for the flattened input ``a`` (``B x N``), its covered ``rows`` and
+        the predicted gradient norms ``weights`` of the covered rows."""
+        norms = torch.linalg.vector_norm(a, dim=1, dtype=torch.float32)
+        if rows is not None:
+            norms = norms.index_select(0, rows)
+        top, p, m = self.design(norms * weights, k)
+        g = _generator(seed, a.device)
+        drawn = torch.multinomial(p, m, replacement=True, generator=g)
+        local = torch.cat([top, drawn])
+        scale = torch.cat([torch.ones(top.shape[0], dtype=torch.float64, device=a.device),
+                           (m * p.index_select(0, drawn)).rsqrt()]).float()
+        index = local if rows is None else rows.index_select(0, local)
+        return ImportancePlan(index.to(index_dtype), scale,
+                              torch.tensor(top.shape[0], dtype=torch.int64))
+
+
 SKETCHES: dict[str, Sketch] = {
     "exact": Exact(),
     "gaussian": Gaussian(),
@@ -341,6 +545,7 @@ SKETCHES: dict[str, Sketch] = {
     "dft": DFT(),
     "blocksrht": BlockSRHT(),
     "rowsample": BlockSRHT(name="rowsample", block=1),
+    "importance": Importance(),
 }
 
 

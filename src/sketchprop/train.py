@@ -444,7 +444,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         patched = patch_linear(model, sketch=sketch_name, rho=m.rho, targets=m.targets,
                                exclude=m.exclude, share_inputs=m.share_inputs,
                                skip_padding=m.skip_padding, min_rows=m.min_rows, seed=tc.seed,
-                               track_variance=m.track_variance)
+                               track_variance=m.track_variance, allocate=m.allocate.value)
     log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
              sketch_name, conf.method.rho)
 

@@ -56,6 +56,13 @@ pairs of sketched rows; ``total - diag`` is the sum over pairs ``r != s``):
   ``E[total - diag] = n(k-1)/(k(n-1)) (xty - Q)`` and ``E[diag] = (n/k) Q``, and
   ``xty_hat = k(n-1)/(n(k-1)) (total - diag) + (k/n) diag``. (Halves of such a sample are not
   independent; this combination is exact instead.)
+- ``importance`` (a deterministic top set ``T`` of ``c`` rows, then ``m = k - c`` rows drawn with
+  replacement, :class:`~sketchprop.sketches.Importance`): the drawn part ``dW_R`` is a mean of
+  ``m`` i.i.d. terms with mean ``X_R^T Y_R``, ``dW_T`` is exact. With ``rest = |dW_R|_F^2`` and
+  ``diag`` summed over the drawn rows only,
+  ``xty_hat = total + (rest - m diag) / (m - 1)``, so ``V_hat = (m diag - rest) / (m - 1)``
+  (``c = 0`` gives the i.i.d. formula). Its exact variance given the sampling probabilities is
+  :func:`importance_variance`.
 - ``exact``: ``xty_hat = total``.
 
 In every case ``V_hat = total - xty_hat`` estimates the sketch's own variance without bias, and
@@ -83,6 +90,7 @@ from .sketches import (
     BlockSRHT,
     Exact,
     Gaussian,
+    Importance,
     Rademacher,
     Sketch,
     _Transform,
@@ -96,7 +104,10 @@ __all__ = [
     "normalized_ratio",
     "batch_stats",
     "expected_variance",
+    "importance_variance",
     "monte_carlo_variance",
+    "sample_stats",
+    "xty_estimate",
     "sketch_samples",
     "online_estimate",
     "estimator_design",
@@ -239,6 +250,18 @@ def expected_variance(sketch: str | Sketch, x, y, k: int) -> float | None:
     return None
 
 
+def importance_variance(x, y, top: Tensor, p: Tensor, m: int) -> float:
+    """Exact variance of the :class:`~sketchprop.sketches.Importance` estimate for rows ``x``,
+    ``y`` whose top set is ``top`` (indices) and whose other rows are drawn ``m`` times with
+    probabilities ``p`` (zero on ``top``): ``(1/m)(sum_R |x_i|^2 |y_i|^2 / p_i - |X_R^T Y_R|^2)``."""
+    x, y = _rows(x), _rows(y)
+    rest = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    rest[top] = False
+    xr, yr, pr = x[rest], y[rest], p.double()[rest]
+    a2 = xr.square().sum(1) * yr.square().sum(1)
+    return ((a2 / pr).sum() - (xr.T @ yr).square().sum()).item() / m
+
+
 def _transform_matrix(sk: Sketch, n: int, device) -> Tensor | None:
     """The ``n x n`` orthonormal transform of a ``dct``/``dft`` sketch, read off the sketch itself
     (applied to the identity with unit signs and every row kept)."""
@@ -292,31 +315,56 @@ def estimator_design(sketch: Sketch, n: int, k: int) -> tuple[str, int]:
         return "sampling", -(-n // sketch.block) * sketch.block
     if isinstance(sketch, _Transform):
         return "sampling", n
+    if isinstance(sketch, Importance):
+        return "importance", n
     raise ValueError(
         f"variance tracking has no unbiased online estimator for sketch {sketch.name!r}; "
-        "it covers exact, gaussian, rademacher, dct, dft, blocksrht and rowsample"
+        "it covers exact, gaussian, rademacher, dct, dft, blocksrht, rowsample and importance"
     )
 
 
+def xty_estimate(total, diag, k: int, design: str, n_pop: int, rest=None, ntop: int = 0):
+    """Unbiased ``|X^T Y|_F^2`` from the statistics of one sketched product (module docstring):
+    ``total = |dW|^2``, ``diag`` (over the drawn rows), ``rest = |dW_R|^2`` (importance only)."""
+    m = k - ntop
+    if design == "exact" or (design == "sampling" and k >= n_pop):
+        return total
+    if m < 2:
+        return total * math.nan
+    if design == "iid":
+        return k / (k - 1) * (total - diag)
+    if design == "sampling":
+        return k * (n_pop - 1) / (n_pop * (k - 1)) * (total - diag) + k / n_pop * diag
+    if design == "importance":
+        return total + ((total if rest is None else rest) - m * diag) / (m - 1)
+    raise ValueError(f"unknown design {design!r}")
+
+
+def sample_stats(sx: Tensor, sdy: Tensor, dw: Tensor, ntop: int = 0) -> Tensor:
+    """``[total, diag, rest]`` (float32, on the device) of one sketched product ``dW^T = sdy^T sx``:
+    ``|dW|^2``, ``sum_r |sx_r|^2 |sdy_r|^2`` over the drawn rows (past the first ``ntop``) and the
+    squared norm of their part of ``dW``."""
+    total = torch.linalg.vector_norm(dw, dtype=torch.float32).square()
+    sx_r, sdy_r = sx[ntop:], sdy[ntop:]
+    diag = (_sqnorm_rows(sx_r) * _sqnorm_rows(sdy_r)).sum()
+    if ntop == 0:
+        rest = total
+    else:
+        rest = torch.linalg.vector_norm(sdy_r.T @ sx_r, dtype=torch.float32).square()
+    return torch.stack([total, diag, rest])
+
+
 def online_estimate(sq_x, sq_y, per_row, total, diag, b: int, k: int, design: str,
-                    n_pop: int | None = None) -> dict[str, float]:
+                    n_pop: int | None = None, rest=None, ntop: int = 0) -> dict[str, float]:
     """Estimates from the memory-free statistics (see the module docstring).
 
     Returns ``xty`` (unbiased ``|X^T Y|_F^2``), ``d2_sketch`` (unbiased variance of the sketch in
     use), ``d2_sgd``, ``d2_rmm``, ``alpha`` and ``ratio``. Arguments may be floats or tensors
-    (elementwise).
+    (elementwise). ``rest`` and ``ntop``: the importance design's drawn part (see
+    :func:`sample_stats`).
     """
     n_pop = b if n_pop is None else n_pop
-    if design == "exact" or (design == "sampling" and k >= n_pop):
-        xty = total
-    elif k < 2:
-        xty = total * math.nan
-    elif design == "iid":
-        xty = k / (k - 1) * (total - diag)
-    elif design == "sampling":
-        xty = k * (n_pop - 1) / (n_pop * (k - 1)) * (total - diag) + k / n_pop * diag
-    else:
-        raise ValueError(f"unknown design {design!r}")
+    xty = xty_estimate(total, diag, k, design, n_pop, rest, ntop)
     d2s = _d2_sgd(b, per_row, xty)
     d2r = _d2_rmm(sq_x, sq_y, xty, k)
     return {
@@ -339,7 +387,7 @@ def _sqnorm_rows(a: Tensor) -> Tensor:
     return torch.linalg.vector_norm(a, dim=1, dtype=torch.float32).square()
 
 
-_FIELDS = ("sq_x", "sq_y", "per_row", "total", "diag")
+_FIELDS = ("sq_x", "sq_y", "per_row", "total", "diag", "rest")
 
 
 class VarianceTracker:
@@ -350,7 +398,7 @@ class VarianceTracker:
 
     - ``forward(x2, rows, k, sketch) -> Tensor | None``: the ``B`` row norms to save for backward
       (the Function saves them with ``save_for_backward``), or None to skip this call;
-    - ``backward(state, dy2, rows, sdy, sx, dw, sketch, k)``: record one step.
+    - ``backward(state, dy2, rows, sdy, sx, dw, sketch, k, ntop)``: record one step.
 
     ``step`` is the training step to stamp records with (set by :class:`VarianceCallback`); while it
     is None records are numbered by tracked backward calls. ``records`` is a list of dicts
@@ -365,7 +413,7 @@ class VarianceTracker:
         self.enabled = enabled
         self.step: int | None = None
         self.calls = 0
-        self._pending: list[tuple[int, int, int, str, int, str, Tensor]] = []
+        self._pending: list[tuple[int, int, int, str, int, str, int, Tensor]] = []
         self._records: list[dict] = []
 
     def forward(self, x2: Tensor, rows: Tensor | None, k: int, sketch: Sketch) -> Tensor | None:
@@ -376,7 +424,7 @@ class VarianceTracker:
 
     @torch.no_grad()
     def backward(self, state: Tensor | None, dy2: Tensor, rows: Tensor | None, sdy: Tensor,
-                 sx: Tensor, dw: Tensor, sketch: Sketch, k: int) -> None:
+                 sx: Tensor, dw: Tensor, sketch: Sketch, k: int, ntop: int = 0) -> None:
         if state is None:
             return
         py = _sqnorm_rows(dy2)
@@ -384,16 +432,13 @@ class VarianceTracker:
             py = py.index_select(0, rows)
         b = py.shape[0]
         design, n_pop = estimator_design(sketch, b, k)
-        stats = torch.stack([
-            state.sum(),
-            py.sum(),
-            (state * py).sum(),
-            torch.linalg.vector_norm(dw, dtype=torch.float32).square(),
-            (_sqnorm_rows(sx) * _sqnorm_rows(sdy)).sum(),
+        stats = torch.cat([
+            torch.stack([state.sum(), py.sum(), (state * py).sum()]),
+            sample_stats(sx, sdy, dw, ntop),
         ])
         self.calls += 1
         step = self.step if self.step is not None else self.calls
-        self._pending.append((step, b, k, design, n_pop, sketch.name, stats))
+        self._pending.append((step, b, k, design, n_pop, sketch.name, ntop, stats))
         if len(self._pending) >= self.FLUSH_EVERY:  # bound the small device tensors kept
             self._flush()
 
@@ -401,10 +446,11 @@ class VarianceTracker:
         if not self._pending:
             return
         values = torch.stack([p[-1] for p in self._pending]).double().cpu().tolist()
-        for (step, b, k, design, n_pop, name, _), vals in zip(self._pending, values, strict=True):
+        for (step, b, k, design, n_pop, name, ntop, _), vals in zip(self._pending, values,
+                                                                    strict=True):
             raw = dict(zip(_FIELDS, vals, strict=True))
             est = online_estimate(raw["sq_x"], raw["sq_y"], raw["per_row"], raw["total"],
-                                  raw["diag"], b, k, design, n_pop)
+                                  raw["diag"], b, k, design, n_pop, raw["rest"], ntop)
             self._records.append({
                 "step": step, "layer": self.layer,
                 "d2_sgd": _finite(est["d2_sgd"]), "d2_rmm": _finite(est["d2_rmm"]),

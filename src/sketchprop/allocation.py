@@ -1,0 +1,139 @@
+"""Per-layer row allocation: move sketch rows to the layers whose gradients are noisiest.
+
+With a uniform ``rho`` every layer stores ``k = rho B`` rows of its input. The variance of a
+sketched weight gradient falls like ``1/(k - t)``, with ``t`` the rows an importance sketch keeps
+deterministically (its top set, which carries no variance; ``t = 0`` for the other kinds). In units
+of the uniform rate, ``f = k / (rho B)`` and ``tau = t / (rho B)``, the summed normalised variance of
+the model is about ``sum_g C_g / (f_g - tau_g)`` with ``C_g = (f_g - tau_g) V_g / |G_g|^2`` (``V_g``
+the variance, ``G_g`` the exact gradient). Storing the rows costs ``w_g f_g`` floats with
+``w_g = N_g B_g rho_g``; minimising the sum under a fixed total (a Lagrange multiplier) gives
+
+    f_g = clip(tau_g + mu * sqrt(C_g / w_g), lower_g, 1 / rho_g),
+
+with ``mu`` found by bisection so that ``sum_g w_g f_g`` equals the uniform rates' total, and
+``lower_g = max(floor, tau_g + 2 / (rho B))`` (the top set and two drawn rows). For the seeded kinds
+(``tau = 0``) this is ``k_g`` proportional to ``sqrt(C_g / (N_g B_g rho_g))``.
+
+:class:`VarianceAllocation` estimates ``V_g`` and ``|G_g|^2`` online, without bias and without
+stored state (:func:`sketchprop.variance.sample_stats`: only the sketched rows the backward has),
+sums them over ``every`` steps, and then recomputes the rates. A group ``g`` is one layer, or the
+layers that share one sketch (``share_inputs``: Q, K and V store one ``S^T X``, so they move
+together and their variances add). Layers whose sketch keeps every row (``k >= B``) take no part.
+Every layer's estimate stays unbiased whatever its rate.
+
+Rates are per process: under DDP each rank allocates from its own statistics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .variance import estimator_design, sample_stats, xty_estimate
+
+__all__ = ["ALLOCATIONS", "VarianceAllocation"]
+
+ALLOCATIONS = ("uniform", "variance")
+
+
+class VarianceAllocation:
+    """Shared by the layers of one patched model (``patch_linear(..., allocate="variance")``).
+
+    Args:
+        every: recompute the rates after this many backward passes per layer.
+        floor: no group goes below ``floor`` times its uniform rate (keeps every layer's estimate
+            usable while its variance is learned).
+        decay: the per-group ``c_g`` is an exponential moving average over recomputations.
+    """
+
+    def __init__(self, every: int = 20, floor: float = 0.25, decay: float = 0.5):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every!r}")
+        if not 0.0 < floor <= 1.0:
+            raise ValueError(f"floor must be in (0, 1], got {floor!r}")
+        self.every, self.floor, self.decay = every, floor, decay
+        self.factors: dict[str, float] = {}  # layer name -> f (1 until first recomputation)
+        self.updates = 0
+        self._sums: dict[str, torch.Tensor] = {}  # name -> [sum (k - t) V_hat, sum xty_hat]
+        self._top: dict[str, float] = {}  # name -> t / k_uniform of its last call (tau)
+        self._calls: dict[str, int] = {}
+        self._cost: dict[str, float] = {}  # name -> N B rho (stored floats per unit of f)
+        self._rho: dict[str, float] = {}  # name -> its uniform rate
+        self._lower: dict[str, float] = {}  # name -> the least f: floor, or top set + 2 rows
+        self._leader: dict[str, str] = {}  # name -> the layer whose sketch it shares
+        self._c: dict[str, float] = {}  # group leader -> EMA of c_g
+
+    def factor(self, name: str) -> float:
+        """The current rate factor ``f`` of layer ``name``."""
+        return self.factors.get(self._leader.get(name, name), 1.0)
+
+    def share(self, follower: str, leader: str) -> None:
+        """Record that ``follower`` uses the sketch ``leader`` formed (they move together)."""
+        self._leader[follower] = self._leader.get(leader, leader)
+
+    def hook(self, name: str, rho: float, sketch, k: int):
+        """The backward hook of one forward call of layer ``name`` (uniform rate ``rho``; ``k``
+        rows at its current rate)."""
+
+        @torch.no_grad()
+        def observe(dy2, x_shape, rows, sx, sdy, dw, ntop):
+            b = dy2.shape[0] if rows is None else rows.shape[0]
+            design, n_pop = estimator_design(sketch, b, k)
+            total, diag, rest = sample_stats(sx, sdy, dw, ntop)
+            xty = xty_estimate(total, diag, k, design, n_pop, rest, ntop)
+            k_uniform = max(rho * b, 1.0)
+            stat = torch.stack([(k - ntop) / k_uniform * (total - xty), xty]).double()
+            self._sums[name] = self._sums[name] + stat if name in self._sums else stat
+            self._calls[name] = self._calls.get(name, 0) + 1
+            self._cost[name] = sx.shape[1] * b * rho
+            self._rho[name] = rho
+            self._top[name] = ntop / k_uniform
+            self._lower[name] = max(self.floor, (ntop + 2) / k_uniform)
+            if min(self._calls.values()) >= self.every:
+                self._recompute()
+
+        return observe
+
+    def _recompute(self) -> None:
+        sums = {n: v.tolist() for n, v in self._sums.items()}  # one synchronisation
+        self._sums.clear()
+        self._calls.clear()
+        c: dict[str, float] = {}
+        cost: dict[str, float] = {}
+        for name, (kv, xty) in sums.items():
+            g = self._leader.get(name, name)
+            if xty > 0 and math.isfinite(kv):
+                c[g] = c.get(g, 0.0) + max(kv, 0.0) / xty
+            if g == name:
+                cost[g] = self._cost[name]
+        for g, value in c.items():
+            old = self._c.get(g)
+            self._c[g] = value if old is None else self.decay * old + (1 - self.decay) * value
+        groups = [g for g in cost if g in self._c]
+        if len(groups) < 2:
+            return
+        caps = {g: 1.0 / self._rho[g] for g in groups}
+        lower = {g: min(self._lower[g], caps[g]) for g in groups}
+        budget = sum(cost[g] for g in groups)
+        want = {g: math.sqrt(max(self._c[g], 0.0) / cost[g]) for g in groups}
+
+        def rate(g, mu):
+            return min(max(self._top[g] + mu * want[g], lower[g]), caps[g])
+
+        def spend(mu):
+            return sum(cost[g] * rate(g, mu) for g in groups)
+
+        if spend(0.0) >= budget:  # the lower bounds alone spend the budget: keep the rates
+            return
+
+        lo, hi = 0.0, 1.0
+        while spend(hi) < budget and hi < 1e12:
+            hi *= 2
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if spend(mid) < budget else (lo, mid)
+        mu = (lo + hi) / 2
+        for g in groups:
+            self.factors[g] = rate(g, mu)
+        self.updates += 1
