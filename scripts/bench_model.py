@@ -17,7 +17,9 @@ Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``
   classifier head, one sketch per layer (``share_inputs=False``), padding rows sketched
   (``skip_padding=False``), ``B_proj >= 3`` as in the authors' code.
 - ``ours``: ``--sketch`` with ``share_inputs=True, skip_padding=True``, head excluded.
-- ``ours-gaussian``: the dense Gaussian sketch in our scheme (separates sketch and scheme gains).
+- ``ours-gaussian``: the dense Gaussian sketch in our scheme (separates sketch and scheme gains);
+  likewise ``ours-<name>`` for any sketch, e.g. ``ours-importance``, and ``ours-<name>+alloc``
+  with rows allocated by variance (``allocate="variance"``).
 - ``ckpt+ours``: checkpointing and our randomized layers together.
 - ``ours-noshare`` / ``ours-noskip``: ablations (saved bytes only; add them to ``--methods``).
 
@@ -61,7 +63,7 @@ import _benchutil as bu  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from sketchprop import patch_linear, unpatch_linear  # noqa: E402
+from sketchprop import SKETCHES, patch_linear, unpatch_linear  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 from sketchprop.patching import find_linear  # noqa: E402
 
@@ -185,8 +187,11 @@ def method_list(args) -> list[dict]:
                 patch = dict(sketch="gaussian", share_inputs=False, skip_padding=False, min_rows=3)
             elif kind == "ours":
                 patch = dict(sketch=args.sketch, exclude="classifier")
-            elif kind == "ours-gaussian":
-                patch = dict(sketch="gaussian", exclude="classifier")
+            elif kind.startswith("ours-") and kind[5:].removesuffix("+alloc") in SKETCHES:
+                # ours-<sketch>: our layout with another sketch; +alloc: rows allocated by variance
+                patch = dict(sketch=kind[5:].removesuffix("+alloc"), exclude="classifier")
+                if kind.endswith("+alloc"):
+                    patch["allocate"] = "variance"
             elif kind == "ours-noshare":
                 patch = dict(sketch=args.sketch, exclude="classifier", share_inputs=False)
             elif kind == "ours-noskip":

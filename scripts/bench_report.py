@@ -27,6 +27,8 @@ LAYER = "layer_cpu"
 MODEL_FILES = ("model_cpu_roberta_bytes", "model_cpu_roberta_time", "model_cpu_roberta_gauss",
                "model_cpu_roberta_ckpt", "model_cpu_roberta_exactskip", "model_cpu_roberta_memory")
 OVERHEAD = "overhead_cpu"
+# Importance sampling against blocksrht: variance on real batches, one layer's time, a step's time.
+IMPORTANCE = ("importance_variance", "layer_cpu_importance", "model_cpu_minilm_importance")
 
 
 def load(d: Path, stem: str) -> dict | None:
@@ -116,6 +118,7 @@ def targets_block(d: Path) -> str:
                     f"{bu.pct(o['saved_bytes'] / ex['saved_bytes'])} vs "
                     f"{bu.pct(p['saved_bytes'] / ex['saved_bytes'])} of exact", "ours < paper",
                     o["saved_bytes"] < p["saved_bytes"], stem)
+    importance_targets(d, add)
     ov = load(d, OVERHEAD)
     if ov:
         for shape, rec in ov["exact_path"].items():
@@ -127,6 +130,43 @@ def targets_block(d: Path) -> str:
             add(f"`exact` sketch path / nn.Linear, {ov['exact_model']['model']} training step",
                 bu.r3(r), "<= 1.05", r <= 1.05, OVERHEAD)
     return bu.fmt_table(["what", "measured", "target", "", "run"], rows)
+
+
+def importance_targets(d: Path, add) -> None:
+    """The targets of importance sampling (and with allocation), each against blocksrht."""
+    var_stem, layer_stem, model_stem = IMPORTANCE
+    var = load(d, var_stem)
+    for row in (var or {}).get("results", []):
+        s, b = row["summary"], row["saved_bytes"]
+        where = f"{row['state']}, rho {row['rho']:g}"
+        for c in ("importance", "importance+allocate"):
+            r = s[c]["mean"] / s["blocksrht"]["mean"]
+            add(f"{c}: mean relative variance over layers / blocksrht's, {where}", bu.r3(r),
+                "<= 0.6", r <= 0.6, var_stem)
+            r = s[c]["last_layer_mean"] / s["blocksrht"]["last_layer_mean"]
+            add(f"{c}: last layer's relative variance / blocksrht's, {where}", bu.r3(r),
+                "<= 0.2", r <= 0.2, var_stem)
+            r = b[c] / b["blocksrht"]
+            add(f"{c}: saved bytes / blocksrht's, {where}", bu.r3(r), "<= 1.02", r <= 1.02,
+                var_stem)
+    layer = load(d, layer_stem)
+    for g in (layer or {}).get("groups", []):
+        for rho in (0.2, 0.1):
+            imp, blk = g["configs"].get(f"importance@{rho:g}"), g["configs"].get(f"blocksrht@{rho:g}")
+            if imp and blk:
+                r = imp["ratio"] / blk["ratio"]
+                add(f"{g['shape']} layer, {g['rows']} rows, importance / blocksrht time, rho "
+                    f"{rho:g}", bu.r3(r), "<= 1.05", r <= 1.05, layer_stem)
+    model = load(d, model_stem)
+    for res in (model or {}).get("results", []):
+        ms = res["methods"]
+        for rho in (0.2, 0.1):
+            for c in ("ours-importance", "ours-importance+alloc"):
+                imp, blk = ms.get(f"{c}@{rho:g}"), ms.get(f"ours-blocksrht@{rho:g}")
+                if imp and blk and imp.get("time") and blk.get("time"):
+                    r = imp["time"]["ratio"] / blk["time"]["ratio"]
+                    add(f"{res['model']} step, {c} / ours-blocksrht time, rho {rho:g}", bu.r3(r),
+                        "<= 1.05", r <= 1.05, model_stem)
 
 
 def table_block(d: Path, stem: str) -> str:

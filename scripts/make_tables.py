@@ -41,9 +41,11 @@ METRIC = {"cola": "matthews", "stsb": "pearson", "mrpc": "accuracy", "qqp": "acc
           "sst2": "accuracy", "mnli": "accuracy", "qnli": "accuracy", "rte": "accuracy",
           "wnli": "accuracy"}
 TASK_ORDER = ["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"]
-SKETCH_ORDER = ["exact", "gaussian", "rademacher", "dct", "dft", "blocksrht", "rowsample"]
-# Table 2's methods: the paper's Gaussian and the recommended sketch (the others are Table 4's).
-TABLE2_SKETCHES = ("exact", "gaussian", "blocksrht")
+SKETCH_ORDER = ["exact", "gaussian", "rademacher", "dct", "dft", "blocksrht", "rowsample",
+                "importance"]
+# Table 2's methods: the paper's Gaussian, the recommended sketch and importance sampling (the
+# others are Table 4's).
+TABLE2_SKETCHES = ("exact", "gaussian", "blocksrht", "importance")
 MODEL_NAMES = {"minilm": "all-MiniLM-L6-v2 (pretrained)", "roberta-base": "roberta-base",
                "tiny-roberta": "tiny random RoBERTa"}
 TASK_NAMES = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE",
@@ -137,13 +139,15 @@ def _differences(a, b, prefix: str = "") -> list[str]:
 
 def scheme(run: dict) -> str:
     """``paper`` (per-layer sketches, padding included) or ``ours``, from the run's config;
-    ``+ckpt`` when the run used activation checkpointing."""
+    ``+alloc`` when rows were allocated by variance, ``+ckpt`` when the run used activation
+    checkpointing."""
     ckpt = run.get("identity", {}).get("train", {}).get("gradient_checkpointing", False)
     if run["sketch"] == "exact":
         return "ckpt" if ckpt else "-"
     method = run.get("config", {}).get("method", {})
     layout = "ours" if method.get("share_inputs") and method.get("skip_padding") else "paper"
-    return layout + ("+ckpt" if ckpt else "")
+    alloc = method.get("allocate", "uniform") == "variance"
+    return layout + ("+alloc" if alloc else "") + ("+ckpt" if ckpt else "")
 
 
 def score(run: dict, best: bool = True) -> float | None:

@@ -49,6 +49,8 @@ SK, FN, LY, PA, GL, VA = ("src/sketchprop/sketches.py", "src/sketchprop/function
 UNBIASED = "tests/test_layers.py::test_weight_gradient_unbiased"
 FAST_UNBIASED = "tests/test_bench_scripts.py::test_fast_path_unbiased"
 SIGNS = "tests/test_variance.py::test_transform_and_random_signs"
+IMP = "tests/test_importance.py"
+AL = "src/sketchprop/allocation.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ each sketch's scale
@@ -232,6 +234,49 @@ MUTANTS: list[Mutant] = [
            "return b_proj / (b - 1) * d2_sgd_value / d2_rmm_value",
            "normalized_ratio with D2_RMM and D2_SGD swapped",
            ("tests/test_variance.py::test_d2_rmm_alpha_and_ratio_on_a_hand_example",)),
+    # ------------------------------------------------------------------ importance sampling
+    Mutant("importance-no-floor", SK,
+           "p = (1 - self.floor) * s / total + self.floor * uniform",
+           "p = s / total",
+           "no uniform floor: rows the estimate scores zero are never drawn",
+           (f"{IMP}::test_every_row_can_be_drawn_whatever_the_estimate",)),
+    Mutant("importance-scale-m", SK,
+           "(m * p.index_select(0, drawn)).rsqrt()]).float()",
+           "((m + 1) * p.index_select(0, drawn)).rsqrt()]).float()",
+           "drawn rows scaled 1/sqrt((m+1) p): the drawn part is m/(m+1) low",
+           (f"{IMP}::test_unbiased_with_an_estimate_learned_on_another_pattern",
+            f"{UNBIASED}[importance]")),
+    Mutant("importance-top-in-draws", SK,
+           "in_rest[top] = False",
+           "in_rest[top] = True",
+           "the top set can also be drawn: its rows are counted twice",
+           (f"{IMP}::test_every_row_can_be_drawn_whatever_the_estimate",
+            f"{UNBIASED}[importance]")),
+    Mutant("importance-backward-own-plan", FN,
+           "sdy = ImportancePlan(index, scale, ntop).apply(dy2)",
+           "sdy = ImportancePlan(index.flip(0), scale, ntop).apply(dy2)",
+           "backward pairs the scales with other rows than forward did",
+           (f"{IMP}::test_unbiased_with_an_estimate_learned_on_another_pattern",)),
+    Mutant("importance-position-modulo", SK,
+           "return (r % t if t > 1 else torch.zeros_like(r)), t",
+           "return (r // t if t > 1 else torch.zeros_like(r)), t",
+           "a row's position taken as its example: the estimate cannot learn [CLS]",
+           (f"{IMP}::test_cls_only_gradient_is_learned",)),
+    Mutant("importance-online-rest", VA,
+           "return total + ((total if rest is None else rest) - m * diag) / (m - 1)",
+           "return total + (total - m * diag) / (m - 1)",
+           "online |X^T Y|^2 estimate ignores the top set (the i.i.d. formula on all of dW)",
+           (f"{IMP}::test_variance_formula_and_online_estimator",)),
+    Mutant("allocation-budget", AL,
+           "lo, hi = (mid, hi) if spend(mid) < budget else (lo, mid)",
+           "lo, hi = (mid, hi) if spend(mid) < 1.1 * budget else (lo, mid)",
+           "the allocation spends 10% more rows than the uniform rates",
+           (f"{IMP}::test_allocation_keeps_the_byte_total_and_moves_rows",)),
+    Mutant("allocation-groups-split", LY,
+           "self.allocation.share(self.name, owner.name)",
+           "pass",
+           "layers that share a sketch are allocated apart (and stop sharing it)",
+           (f"{IMP}::test_allocation_moves_shared_sketches_together",)),
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -73,6 +73,23 @@ def test_bench_layer_quick(tmp_path):
                 assert c["saved_ratio"] == pytest.approx(c["saved_bytes"] / base["saved_bytes"])
 
 
+def test_importance_variance_quick(tmp_path):
+    out = run_script(py("importance_variance.py", "--quick", "--threads", "1", "--out-dir",
+                        str(tmp_path)), tmp_path)
+    data = json.loads((tmp_path / "importance_variance_quick.json").read_text())
+    assert (tmp_path / "importance_variance_quick.md").read_text() in out
+    configs = {"blocksrht", "gaussian", "importance", "importance+allocate"}
+    assert {(r["state"], r["rho"]) for r in data["results"]} == {
+        (s, rho) for s in ("step 0", "step 4") for rho in (0.1, 0.2)}
+    for row in data["results"]:
+        assert set(row["summary"]) == set(row["saved_bytes"]) == configs
+        for c in configs:
+            rel = row["layers"][c]
+            assert rel and all(math.isfinite(v) and v >= 0 for v in rel.values())
+            assert row["summary"][c]["mean"] == pytest.approx(statistics.mean(
+                v for n, v in rel.items() if "pooler" not in n))
+
+
 def test_bench_model_quick(tmp_path):
     out = run_script(py("bench_model.py", "--quick", "--threads", "1", "--models", "roberta-base",
                         "--methods", "exact,ckpt,paper,ours,ckpt+ours", "--rhos", "0.5",

@@ -49,7 +49,7 @@ def exact_block_grad(block, x, g):
     return w.grad.detach().clone().double().reshape(-1)
 
 
-@pytest.mark.parametrize("sketch", ["gaussian", "blocksrht", "rowsample"])
+@pytest.mark.parametrize("sketch", ["gaussian", "blocksrht", "rowsample", "importance"])
 def test_weight_gradient_unbiased_under_checkpointing(sketch):
     """The layer-level statistic (Hotelling's T^2 against the exact gradient, the bound of
     test_layers) with the block checkpointed. A seed kept outside the saved tensors pairs two

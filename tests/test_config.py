@@ -118,6 +118,15 @@ def test_unknown_sketch_fails_at_composition():
     ("train.epoch=3", ConfigCompositionException),
     ("task.metrics=[acc]", ConfigCompositionException),
 ])
+def test_unknown_allocation_fails_at_composition():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["method=importance", "method.allocate=varaince"])
+    text = str(err.value) + str(err.value.__cause__)
+    assert "varaince" in text and "variance" in text and "method.allocate" in text
+    assert compose(["method=importance", "method.allocate=variance"]).method.allocate.value == \
+        "variance"
+
+
 def test_unknown_names_fail_at_composition(override, error):
     with pytest.raises(error):
         compose([override])

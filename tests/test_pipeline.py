@@ -445,7 +445,7 @@ def test_a_short_run_never_stands_in_for_the_full_run(tmp_path, glue_dir, capsys
     "train.eval_batch_size=4", "data.max_train_samples=40", "data.max_eval_samples=8",
     "method.rho=0.2", "method.min_rows=4", "method.targets=query", "scheme=paper",
     "model.random.hidden_size=16", "train.gradient_checkpointing=true", "train.seed=2",
-    "task=stsb"])
+    "task=stsb", "method.allocate=variance", "method=importance"])
 def test_identity_covers_every_setting_that_changes_the_result(tmp_path, glue_dir, change):
     base = overrides(tmp_path, glue_dir)
     a = run_files(validate(compose(base)), compose(base), glue_dir)
@@ -611,13 +611,17 @@ def test_bad_input_fails_fast_with_the_fix(bad_runs, name):
 # Two processes
 
 
-def test_ddp_two_cpu_processes(tmp_path, glue_dir):
+@pytest.mark.parametrize("method", [[], ["method=importance", "method.allocate=variance"]])
+def test_ddp_two_cpu_processes(tmp_path, glue_dir, method):
+    """Each rank draws its own sketches; importance sampling learns its estimate and allocates
+    its rows per rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(port), "-m", "sketchprop.train",
-           *overrides(tmp_path, glue_dir, "train.max_steps=2", f"hydra.run.dir={tmp_path}/run")]
+           *overrides(tmp_path, glue_dir, "train.max_steps=2", f"hydra.run.dir={tmp_path}/run"),
+           *method]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
