@@ -111,13 +111,6 @@ def test_unknown_sketch_fails_at_composition():
     assert "gausian" in text and "gaussian" in text and "method.sketch" in text
 
 
-@pytest.mark.parametrize("override,error", [
-    ("method=gausian", MissingConfigException),
-    ("task=colaa", MissingConfigException),
-    ("method.rhoo=0.1", ConfigCompositionException),
-    ("train.epoch=3", ConfigCompositionException),
-    ("task.metrics=[acc]", ConfigCompositionException),
-])
 def test_unknown_allocation_fails_at_composition():
     with pytest.raises(ConfigCompositionException) as err:
         compose(["method=importance", "method.allocate=varaince"])
@@ -127,6 +120,13 @@ def test_unknown_allocation_fails_at_composition():
         "variance"
 
 
+@pytest.mark.parametrize("override,error", [
+    ("method=gausian", MissingConfigException),
+    ("task=colaa", MissingConfigException),
+    ("method.rhoo=0.1", ConfigCompositionException),
+    ("train.epoch=3", ConfigCompositionException),
+    ("task.metrics=[acc]", ConfigCompositionException),
+])
 def test_unknown_names_fail_at_composition(override, error):
     with pytest.raises(error):
         compose([override])
