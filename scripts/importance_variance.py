@@ -43,7 +43,6 @@ from sketchprop import RandomizedLinear, patch_linear  # noqa: E402
 from sketchprop.config import TaskConfig  # noqa: E402
 from sketchprop.glue import SHIPPED_GLUE_DIR, read_tsv  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
-from sketchprop.sketches import SKETCHES, num_proj_rows  # noqa: E402
 from sketchprop.variance import expected_variance, importance_variance  # noqa: E402
 
 COLA = TaskConfig(name="cola", dir="CoLA", text_columns=["sentence"],
@@ -114,16 +113,13 @@ def measure(model: nn.Module, rho: float, allocate: str, warm: list[dict], evals
                 x = inp[0]
                 rows = mod.context.rows_for(x)
                 n = rows.shape[0] if rows is not None else x.numel() // x.shape[-1]
-                rate = mod.rho if mod.allocation is None else min(
-                    1.0, mod.rho * mod.allocation.factor(name))
-                k = num_proj_rows(n, rate, mod.min_rows)
+                k, uniform_k, _ = mod.num_rows(n)
                 weights = mod.grad_norms.weights(tuple(x.shape), rows, x.device)
                 x2 = x.detach().reshape(-1, x.shape[-1])
                 norms = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
                 if rows is not None:
                     norms = norms.index_select(0, rows)
                 design = mod.sketch.design(norms * weights, k) if k < n else None
-                uniform_k = num_proj_rows(n, mod.rho, mod.min_rows)
                 store[name] = [x2, rows, k, uniform_k, design]
 
             def post(mod, inp, out, name=name):

@@ -1,24 +1,28 @@
 """Per-layer row allocation: move sketch rows to the layers whose gradients are noisiest.
 
-With a uniform ``rho`` every layer stores ``k = rho B`` rows of its input. The variance of a
-sketched weight gradient falls like ``1/(k - t)``, with ``t`` the rows an importance sketch keeps
-deterministically (its top set, which carries no variance; ``t = 0`` for the other kinds). In units
-of the uniform rate, ``f = k / (rho B)`` and ``tau = t / (rho B)``, the summed normalised variance of
-the model is about ``sum_g C_g / (f_g - tau_g)`` with ``C_g = (f_g - tau_g) V_g / |G_g|^2`` (``V_g``
-the variance, ``G_g`` the exact gradient). Storing the rows costs ``w_g f_g`` floats with
-``w_g = N_g B_g rho_g``; minimising the sum under a fixed total (a Lagrange multiplier) gives
+With a uniform ``rho`` every layer stores ``k_u = ceil(rho B)`` rows of its input. The variance of
+a sketched weight gradient falls like ``1/(k - t)``, with ``t`` the rows an importance sketch keeps
+deterministically (its top set, which carries no variance; ``t = 0`` for the other kinds). In
+units of the uniform rows, ``f = k / k_u`` and ``tau = t / k_u``, the summed normalised variance of
+the model is about ``sum_g C_g / (f_g - tau_g)`` with ``C_g = (f_g - tau_g) V_g / |G_g|^2``
+(``V_g`` the variance, ``G_g`` the exact gradient). Storing the rows costs ``w_g f_g`` floats with
+``w_g = N_g k_u,g``; minimising the sum under a fixed total (a Lagrange multiplier) gives
 
-    f_g = clip(tau_g + mu * sqrt(C_g / w_g), lower_g, 1 / rho_g),
+    f_g = clip(tau_g + mu * sqrt(C_g / w_g), lower_g, B_g / k_u,g),
 
-with ``mu`` found by bisection so that ``sum_g w_g f_g`` equals the uniform rates' total, and
-``lower_g = max(floor, tau_g + 2 / (rho B))`` (the top set and two drawn rows). For the seeded kinds
-(``tau = 0``) this is ``k_g`` proportional to ``sqrt(C_g / (N_g B_g rho_g))``.
+with ``mu`` found by bisection so that ``sum_g w_g f_g`` equals the uniform rows' total, and
+``lower_g`` the largest of ``floor``, ``min_rows / k_u`` and ``(t + 2) / k_u`` (the top set and two
+drawn rows). For the seeded kinds (``tau = 0``) this is ``k_g`` proportional to
+``sqrt(C_g / N_g)``. A layer then takes ``round(f_g k_u)`` rows: rounding to the nearest adds
+nothing to the total on average.
 
 :class:`VarianceAllocation` estimates ``V_g`` and ``|G_g|^2`` online, without bias and without
 stored state (:func:`sketchprop.variance.sample_stats`: only the sketched rows the backward has),
 sums them over ``every`` steps, and then recomputes the rates. A group ``g`` is one layer, or the
 layers that share one sketch (``share_inputs``: Q, K and V store one ``S^T X``, so they move
-together and their variances add). Layers whose sketch keeps every row (``k >= B``) take no part.
+together and their variances add). Layers whose sketch keeps every row (``k >= B``) and layers held
+at ``min_rows`` (``ceil(rho B) < min_rows``, e.g. a pooler that sees one row per example) take no
+part.
 Every layer's estimate stays unbiased whatever its rate.
 
 Rates are per process: under DDP each rank allocates from its own statistics.
@@ -54,13 +58,16 @@ class VarianceAllocation:
             raise ValueError(f"floor must be in (0, 1], got {floor!r}")
         self.every, self.floor, self.decay = every, floor, decay
         self.factors: dict[str, float] = {}  # layer name -> f (1 until first recomputation)
+        #: the last recomputation, per group: f, tau, C, w, and f's bounds (lower, cap)
+        self.last: dict[str, dict[str, float]] = {}
+        self.last_mu: float | None = None
         self.updates = 0
         self._sums: dict[str, torch.Tensor] = {}  # name -> [sum (k - t) V_hat, sum xty_hat]
         self._top: dict[str, float] = {}  # name -> t / k_uniform of its last call (tau)
         self._calls: dict[str, int] = {}
-        self._cost: dict[str, float] = {}  # name -> N B rho (stored floats per unit of f)
-        self._rho: dict[str, float] = {}  # name -> its uniform rate
-        self._lower: dict[str, float] = {}  # name -> the least f: floor, or top set + 2 rows
+        self._cost: dict[str, float] = {}  # name -> N k_uniform (stored floats per unit of f)
+        self._cap: dict[str, float] = {}  # name -> the largest f: every row
+        self._lower: dict[str, float] = {}  # name -> the least f: floor, min_rows, top set + 2
         self._leader: dict[str, str] = {}  # name -> the layer whose sketch it shares
         self._c: dict[str, float] = {}  # group leader -> EMA of c_g
 
@@ -68,28 +75,32 @@ class VarianceAllocation:
         """The current rate factor ``f`` of layer ``name``."""
         return self.factors.get(self._leader.get(name, name), 1.0)
 
+    def rows(self, name: str, k_uniform: int, n: int, min_rows: int) -> int:
+        """Rows for layer ``name`` whose uniform rate gives ``k_uniform`` of ``n`` rows:
+        ``f k_uniform`` rounded to the nearest (so rounding adds nothing on average), at least
+        ``min_rows`` and 2, at most ``n``."""
+        return min(n, max(min_rows, 2, round(self.factor(name) * k_uniform)))
+
     def share(self, follower: str, leader: str) -> None:
         """Record that ``follower`` uses the sketch ``leader`` formed (they move together)."""
         self._leader[follower] = self._leader.get(leader, leader)
 
-    def hook(self, name: str, rho: float, sketch, k: int):
-        """The backward hook of one forward call of layer ``name`` (uniform rate ``rho``; ``k``
-        rows at its current rate)."""
+    def hook(self, name: str, sketch, k: int, k_uniform: int, n: int, min_rows: int):
+        """The backward hook of one forward call of layer ``name``: ``k`` rows now, ``k_uniform``
+        at its uniform rate, of ``n``."""
 
         @torch.no_grad()
         def observe(dy2, x_shape, rows, sx, sdy, dw, ntop):
-            b = dy2.shape[0] if rows is None else rows.shape[0]
-            design, n_pop = estimator_design(sketch, b, k)
+            design, n_pop = estimator_design(sketch, n, k)
             total, diag, rest = sample_stats(sx, sdy, dw, ntop)
             xty = xty_estimate(total, diag, k, design, n_pop, rest, ntop)
-            k_uniform = max(rho * b, 1.0)
             stat = torch.stack([(k - ntop) / k_uniform * (total - xty), xty]).double()
             self._sums[name] = self._sums[name] + stat if name in self._sums else stat
             self._calls[name] = self._calls.get(name, 0) + 1
-            self._cost[name] = sx.shape[1] * b * rho
-            self._rho[name] = rho
+            self._cost[name] = sx.shape[1] * k_uniform
+            self._cap[name] = n / k_uniform
             self._top[name] = ntop / k_uniform
-            self._lower[name] = max(self.floor, (ntop + 2) / k_uniform)
+            self._lower[name] = max(self.floor, (ntop + 2) / k_uniform, min_rows / k_uniform)
             if min(self._calls.values()) >= self.every:
                 self._recompute()
 
@@ -113,7 +124,7 @@ class VarianceAllocation:
         groups = [g for g in cost if g in self._c]
         if len(groups) < 2:
             return
-        caps = {g: 1.0 / self._rho[g] for g in groups}
+        caps = {g: self._cap[g] for g in groups}
         lower = {g: min(self._lower[g], caps[g]) for g in groups}
         budget = sum(cost[g] for g in groups)
         want = {g: math.sqrt(max(self._c[g], 0.0) / cost[g]) for g in groups}
@@ -136,4 +147,7 @@ class VarianceAllocation:
         mu = (lo + hi) / 2
         for g in groups:
             self.factors[g] = rate(g, mu)
+        self.last = {g: {"f": self.factors[g], "tau": self._top[g], "c": self._c[g],
+                         "w": cost[g], "lower": lower[g], "cap": caps[g]} for g in groups}
+        self.last_mu = mu
         self.updates += 1

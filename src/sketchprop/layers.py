@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import weakref
 from collections.abc import Mapping
@@ -174,6 +175,17 @@ class RandomizedLinear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sketch={self.sketch.name}, rho={self.rho:g}"
 
+    def num_rows(self, n: int) -> tuple[int, int, bool]:
+        """``(k, k_uniform, allocated)`` for a call covering ``n`` rows: the rows sketched, the rows
+        at the uniform ``rho``, and whether the allocation set ``k`` (it moves rows between the
+        layers whose ``k`` follows ``rho``, not those held at ``min_rows``)."""
+        k = num_proj_rows(n, self.rho, self.min_rows)
+        allocated = (self.allocation is not None and k < n
+                     and math.ceil(self.rho * n - 1e-9) >= self.min_rows)
+        if not allocated:
+            return k, k, False
+        return self.allocation.rows(self.name, k, n, self.min_rows), k, True
+
     def _next_seed(self) -> int:
         if self._gen is None:
             rank = 0
@@ -197,10 +209,7 @@ class RandomizedLinear(nn.Linear):
 
         rows = self.context.rows_for(x) if (self.skip_padding and self.context) else None
         n = x.numel() // x.shape[-1] if rows is None else rows.shape[0]
-        rho = self.rho
-        if self.allocation is not None:
-            rho = min(1.0, rho * self.allocation.factor(self.name))
-        k = num_proj_rows(n, rho, self.min_rows)
+        k, k_uniform, allocated = self.num_rows(n)
         sketch = self.sketch if k < n else SKETCHES["exact"]
 
         sx, seed, plan, tstate, hooks = None, 0, None, None, []
@@ -227,8 +236,9 @@ class RandomizedLinear(nn.Linear):
                     self.context.store(key, x, sx, seed, plan, self)
             if sketch.data_dependent:
                 hooks.append(self.grad_norms.hook())
-            if self.allocation is not None and not sketch.exact:
-                hooks.append(self.allocation.hook(self.name, self.rho, sketch, k))
+            if allocated and not sketch.exact:
+                hooks.append(self.allocation.hook(self.name, sketch, k, k_uniform, n,
+                                                  self.min_rows))
             if self.tracker is not None:  # variance tracking: B row norms, saved for backward
                 with torch.no_grad():
                     tstate = self.tracker.forward(inp.detach().reshape(-1, self.in_features),
