@@ -369,7 +369,8 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
             # The benchmark times MiniLM steps without checkpointing, and one layer alone: no
             # ratio of either stands for a checkpointed row.
             step_name = {"paper": f"paper@{rho:g}" if sketch == "gaussian" else None,
-                         "ours": f"ours-{sketch}@{rho:g}"}.get(layout)
+                         "ours": f"ours-{sketch}@{rho:g}",
+                         "ours+alloc": f"ours-{sketch}+alloc@{rho:g}"}.get(layout)
             layer_name = None if layout.endswith("ckpt") else f"{sketch}@{rho:g}"
         rows.append([
             sketch, layout, f"{rho:g}" if sketch != "exact" else "-",
