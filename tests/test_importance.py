@@ -150,6 +150,21 @@ def test_skip_padding_never_draws_padding_and_stays_unbiased():
     assert t2 < bound, f"T^2 = {t2:.1f}, bound {bound:.1f}"
 
 
+def test_a_non_finite_gradient_leaves_the_estimate_usable():
+    """An fp16 step whose gradient overflowed (the loss scaler skips it) reaches backward with
+    inf/NaN rows: the estimate ignores them and the next plan is still drawn."""
+    layer = make_layer("importance", rho=0.25)
+    x, dy = torch.randn(2, 16, 8), torch.randn(2, 16, 6)
+    train_estimate(layer, x, dy, steps=2)
+    bad = dy.clone()
+    bad[0, 3] = float("inf")
+    bad[1, 5] = float("nan")
+    grads(layer, x, bad)
+    w = layer.grad_norms.weights(tuple(x.shape), None, x.device)
+    assert torch.isfinite(w).all()
+    assert torch.isfinite(grads(layer, x, dy)[1]).all()
+
+
 def test_cls_only_gradient_is_learned():
     """A 3-D input whose output gradient is nonzero at position 0 only: after a few steps the
     estimate puts the [CLS] rows in the top set and the weight gradient is exact up to rounding,

@@ -409,6 +409,9 @@ class GradNormEstimate:
         sq = torch.linalg.vector_norm(dy2, dim=1, dtype=torch.float32).square()
         if rows is not None:
             sq = sq.index_select(0, rows)
+        # An fp16 step whose gradient overflowed (the loss scaler skips it) must not poison the
+        # estimate: non-finite rows count as zero, without a device synchronisation.
+        sq = torch.where(torch.isfinite(sq), sq, 0.0)
         pos, t = self.positions(shape, rows, dy2.device)
         self._grow(t, dy2.device)
         sq = sq / sq.mean().clamp_min(torch.finfo(torch.float32).tiny)
@@ -497,7 +500,7 @@ class Importance(Sketch):
         """``(top, p, m)`` for scores of the covered rows: ``top`` local indices of the top set,
         ``p`` (float64, over all covered rows, zero on ``top``) and ``m`` rows to draw."""
         n = scores.shape[0]
-        s = scores.double().clamp_min(0)
+        s = scores.double().nan_to_num(0.0, posinf=0.0).clamp_min(0)  # non-finite: floor only
         c = 0
         if k > 2:
             top_vals, top_idx = torch.topk(s, k - 2)
