@@ -98,7 +98,9 @@ class RandomizedLinear(nn.Linear):
 
     Each forward call draws a fresh seed from the layer's own generator, seeded by ``seed`` (the run
     seed), the layer ``name`` and the distributed rank; the global RNG is never touched, so dropout
-    streams stay as in the exact model.
+    streams stay as in the exact model. The ``importance`` sketch depends on ``X`` and on the
+    layer's running gradient-norm estimate (``grad_norms``, updated in backward): forward saves its
+    row indices and scales instead of a seed (:class:`~sketchprop.sketches.Importance`).
 
     Under activation checkpointing the forward of a checkpointed block runs twice: the recomputation
     in backward draws a new seed and forms a new sketch, and backward uses that pair (the seed is a
