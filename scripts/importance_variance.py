@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import random
 import statistics
 import sys
@@ -109,20 +108,18 @@ def measure(model: nn.Module, rho: float, allocate: str, warm: list[dict], evals
         store: dict[str, list] = {}
         hooks = []
         for name, layer in layers.items():
-            def pre(mod, inp, name=name):
+            def pre(mod, inp, name=name, store=store):
                 x = inp[0]
                 rows = mod.context.rows_for(x)
                 n = rows.shape[0] if rows is not None else x.numel() // x.shape[-1]
                 k, uniform_k, _ = mod.num_rows(n)
                 weights = mod.grad_norms.weights(tuple(x.shape), rows, x.device)
                 x2 = x.detach().reshape(-1, x.shape[-1])
-                norms = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
-                if rows is not None:
-                    norms = norms.index_select(0, rows)
-                design = mod.sketch.design(norms * weights, k) if k < n else None
+                design = mod.sketch.design(mod.sketch.scores(x2, rows, weights), k) if k < n \
+                    else None
                 store[name] = [x2, rows, k, uniform_k, design]
 
-            def post(mod, inp, out, name=name):
+            def post(mod, inp, out, name=name, store=store):
                 out.register_hook(lambda g: store[name].append(g.detach().reshape(-1, g.shape[-1])))
             hooks += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
         torch.manual_seed(1000 + j)  # the same dropout masks for every configuration

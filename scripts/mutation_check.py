@@ -43,14 +43,14 @@ class Mutant:
     k: str | None = None
 
 
-SK, FN, LY, PA, GL, VA = ("src/sketchprop/sketches.py", "src/sketchprop/functional.py",
-                          "src/sketchprop/layers.py", "src/sketchprop/patching.py",
-                          "src/sketchprop/glue.py", "src/sketchprop/variance.py")
+SK, FN, LY, PA, GL, VA, AL = ("src/sketchprop/sketches.py", "src/sketchprop/functional.py",
+                              "src/sketchprop/layers.py", "src/sketchprop/patching.py",
+                              "src/sketchprop/glue.py", "src/sketchprop/variance.py",
+                              "src/sketchprop/allocation.py")
 UNBIASED = "tests/test_layers.py::test_weight_gradient_unbiased"
 FAST_UNBIASED = "tests/test_bench_scripts.py::test_fast_path_unbiased"
 SIGNS = "tests/test_variance.py::test_transform_and_random_signs"
 IMP = "tests/test_importance.py"
-AL = "src/sketchprop/allocation.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ each sketch's scale

@@ -304,6 +304,7 @@ def test_plan_is_what_forward_saved():
     st = torch.zeros(16, 64)
     st[torch.arange(16), plan.index.long()] = plan.scale
     torch.testing.assert_close(plan.apply(x2), st @ x2)
+    torch.testing.assert_close(plan.apply(y2), st @ y2)  # backward's S^T dY: the same S
     assert int(plan.ntop) + 2 <= 16 and (plan.scale[: int(plan.ntop)] == 1).all()
     with pytest.raises(TypeError, match="plan"):
         sk.apply(x2, 16, 0)

@@ -516,20 +516,23 @@ class Importance(Sketch):
         total = s.sum()
         n_rest = n - c
         uniform = in_rest.double() / n_rest
-        if total > 0:
-            p = (1 - self.floor) * s / total + self.floor * uniform
-        else:
-            p = uniform
+        # Without any score outside the top set, uniform (a where, not an if: no synchronisation).
+        p = torch.where(total > 0, (1 - self.floor) * s / total + self.floor * uniform, uniform)
         return top, p, k - c
+
+    def scores(self, a: Tensor, rows: Tensor | None, weights: Tensor) -> Tensor:
+        """``|x_i| w_i`` for the covered rows of the flattened input ``a`` (``B x N``), given the
+        predicted gradient norms ``weights`` of those rows (float32)."""
+        norms = torch.linalg.vector_norm(a, dim=1, dtype=torch.float32)
+        if rows is not None:
+            norms = norms.index_select(0, rows)
+        return norms * weights
 
     def plan(self, a: Tensor, k: int, seed: int, rows: Tensor | None, weights: Tensor,
              index_dtype: torch.dtype = torch.int32) -> ImportancePlan:
         """Draw the ``k`` rows for the flattened input ``a`` (``B x N``), its covered ``rows`` and
         the predicted gradient norms ``weights`` of the covered rows."""
-        norms = torch.linalg.vector_norm(a, dim=1, dtype=torch.float32)
-        if rows is not None:
-            norms = norms.index_select(0, rows)
-        top, p, m = self.design(norms * weights, k)
+        top, p, m = self.design(self.scores(a, rows, weights), k)
         g = _generator(seed, a.device)
         drawn = torch.multinomial(p, m, replacement=True, generator=g)
         local = torch.cat([top, drawn])
