@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu memory tables budget
+.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu memory tables budget
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -105,6 +105,12 @@ importance-cpu: install  ## importance sampling on this CPU: CoLA/MRPC/STS-B at 
 	$(TRAIN) -m experiment=table4_cpu method=importance scheme=ours method.rho=0.1 method.allocate=variance train.seed=1,2,3 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb method=importance scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=importance scheme=ours method.rho=0.05 train.seed=1,2,3 $(ARGS)
+
+seeds-cpu: install  ## more seeds where the CPU tables make claims: CoLA exact, REC 0.1, importance+alloc 0.1 x5, REC 0.2 x3; STS-B, SST-2 x3 (data/glue)
+	$(TRAIN) -m experiment=table4_cpu method=exact,$(REC) scheme=ours method.rho=0.1 train.seed=1,2,3,4,5 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=importance scheme=ours method.rho=0.1 method.allocate=variance train.seed=1,2,3,4,5 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.2 train.seed=1,2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=stsb,sst2 method=exact,$(REC),importance scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
 
 figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 during CoLA training
 	$(TRAIN) experiment=figure4 $(ARGS)

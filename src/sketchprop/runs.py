@@ -21,9 +21,18 @@ again, it continues from the newest *complete* checkpoint (one with its trainer 
 reporting any incomplete one it passes over; ``train.resume=false`` or ``overwrite=true`` start it
 afresh instead and say so. Checkpoints are deleted when the run finishes.
 
+**One run per identity at a time.** Before any heavy work a run claims its identity with a lock
+file beside its result path (:class:`Claim`: host, pid, start time; its modification time is a
+heartbeat renewed every :data:`HEARTBEAT_SECONDS`). A second run of the same identity, started
+anywhere that sees the same results folder, refuses in seconds and says who holds the claim.
+``overwrite=true`` does not break a live claim. A claim left by a process that died (its pid is gone
+on this host, or its heartbeat is older than :data:`STALE_SECONDS`, for a process on another host)
+is reported and taken over.
+
 **Sweeps.** A job that fails records why in its folder (``failure.json``) and the sweep goes on;
-at the end :class:`SweepSummary` lists the failed jobs with the command that reruns each, and the
-sweep exits non-zero.
+a job whose identity another process holds is recorded as skipped (``skipped.json``). At the end
+:class:`SweepSummary` lists both, with the command that reruns each; the sweep exits non-zero only
+when a job failed.
 """
 
 from __future__ import annotations
@@ -32,16 +41,22 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
 __all__ = [
+    "Claim",
+    "Claimed",
     "RunFiles",
     "RunError",
     "SweepSummary",
@@ -51,6 +66,7 @@ __all__ = [
     "identity",
     "newest_complete_checkpoint",
     "record_failure",
+    "record_skip",
     "recipe_hash",
     "run_stem",
     "write_json",
@@ -66,10 +82,21 @@ NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", 
 #: Files that a complete HF Trainer checkpoint holds; ``trainer_state.json`` is written last.
 CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 FAILURE_FILE = "failure.json"
+SKIPPED_FILE = "skipped.json"
+
+#: How often a running claim renews its heartbeat, and the age at which a claim whose holder cannot
+#: be checked (another host) counts as abandoned: ten missed heartbeats, so a loaded machine or a
+#: slow shared file system does not lose a live claim.
+HEARTBEAT_SECONDS = 30
+STALE_SECONDS = 300
 
 
 class RunError(RuntimeError):
     """A run cannot start as configured; the message says why and how to fix it."""
+
+
+class Claimed(RunError):
+    """Another live process holds this run's identity; the message says who and how to take over."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +270,14 @@ class RunFiles:
                                 / stem),
                    checkpoints_root=Path(checkpoints_dir), kept=keep)
 
+    @property
+    def lock(self) -> Path:
+        """The claim file beside the filed result (``<stem>.lock``)."""
+        return self.index.with_suffix(".lock")
+
+    def claim(self) -> Claim:
+        return Claim(self.lock, f"run {self.index.stem} ({self.experiment}/{self.ident['task']})")
+
     def done(self, overwrite: bool) -> bool:
         """True when this run's result is filed (skip it). Raises when the file is unreadable or
         belongs to another run, rather than skipping or overwriting it."""
@@ -286,6 +321,146 @@ class RunFiles:
 
 
 # ---------------------------------------------------------------------------------------------
+# Claims: one run per identity at a time
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+class Claim:
+    """A run's claim on its identity: the lock file ``path`` (host, pid, start time and a token;
+    its modification time is the heartbeat). ``with Claim(path, what):`` claims or raises
+    :class:`Claimed`, renews the heartbeat in a daemon thread while the block runs, and removes the
+    file afterwards if it is still this claim's.
+
+    The file is made complete under a temporary name and hard-linked into place, so it appears
+    whole or not at all, and of two processes only one can create it (also on NFS).
+    """
+
+    def __init__(self, path: Path, what: str, heartbeat: float = HEARTBEAT_SECONDS,
+                 stale: float = STALE_SECONDS):
+        self.path, self.what = Path(path), what
+        self.heartbeat, self.stale = heartbeat, stale
+        self.token = secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder(self) -> dict | None:
+        """What the lock file says (with ``age``: seconds since its last heartbeat), or None when
+        there is no claim."""
+        try:
+            text = self.path.read_text()
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        try:
+            info = json.loads(text)
+        except ValueError:  # not one of ours: a claim of unknown holder, abandoned only by age
+            info = {}
+        return {"host": "?", "pid": 0, "started": "?", **info, "age": age}
+
+    def _abandoned(self, info: dict) -> str | None:
+        """Why the claim described by ``info`` is abandoned, or None when it may be live."""
+        pid = int(info["pid"])
+        if info["host"] == socket.gethostname() and pid > 0 and not _pid_alive(pid):
+            return f"its process {info['pid']} is gone"
+        if info["age"] > self.stale:
+            return f"its heartbeat is {info['age']:.0f} s old (abandoned after {self.stale:.0f} s)"
+        return None
+
+    def _create(self) -> bool:
+        tmp = self.path.with_name(f".{self.path.name}.{self.token}.tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({
+            "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run": self.what,
+            "command": shlex.join(sys.orig_argv)}) + "\n")
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _take_over(self, info: dict) -> None:
+        """Remove the abandoned claim ``info`` described, unless someone replaced it meanwhile."""
+        aside = self.path.with_name(f".{self.path.name}.{self.token}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            taken = json.loads(aside.read_text()).get("token")
+        except (OSError, ValueError):
+            taken = None
+        if taken != info.get("token"):  # a new claim appeared after we read the old one: restore it
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+        aside.unlink(missing_ok=True)
+
+    def acquire(self) -> Claim:
+        for _ in range(5):
+            if self._create():
+                self._thread = threading.Thread(target=self._beat, daemon=True,
+                                                name=f"claim {self.path.name}")
+                self._thread.start()
+                return self
+            info = self.holder()
+            if info is None:  # released between our attempt and the read
+                continue
+            why = self._abandoned(info)
+            if why is None:
+                raise Claimed(
+                    f"{self.what} is already running: pid {info['pid']} on {info['host']}, "
+                    f"started {info['started']}, heartbeat {info['age']:.0f} s ago (claim "
+                    f"{self.path}). This run does nothing. To take over, stop that process (it "
+                    f"continues from its last checkpoint when started again); if it is gone, "
+                    f"delete {self.path}. A claim whose process is gone from this host, or whose "
+                    f"heartbeat is older than {self.stale:.0f} s, is taken over by itself.")
+            print(f"claim: {self.path} was left by pid {info['pid']} on {info['host']} "
+                  f"(started {info['started']}; {why}); taking it over", flush=True)
+            self._take_over(info)
+        raise Claimed(f"{self.what}: could not claim {self.path}: other processes keep taking it")
+
+    def _mine(self) -> bool:
+        try:
+            return json.loads(self.path.read_text()).get("token") == self.token
+        except (OSError, ValueError):
+            return False
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            if not self._mine():
+                print(f"claim: {self.path} is no longer this run's (taken over after a missed "
+                      f"heartbeat?); another process may be running {self.what}", flush=True)
+                return
+            os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._mine():
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Claim:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------------------------------------
 # Sweeps
 
 
@@ -293,6 +468,11 @@ def record_failure(run_dir: Path, error: BaseException, overrides: list[str]) ->
     """Note in the job's folder that it failed, why, and with which overrides."""
     write_json(Path(run_dir) / FAILURE_FILE, {
         "error": type(error).__name__, "message": str(error), "overrides": list(overrides)})
+
+
+def record_skip(run_dir: Path, reason: Claimed, overrides: list[str]) -> None:
+    """Note in the job's folder that it was skipped because another process holds its identity."""
+    write_json(Path(run_dir) / SKIPPED_FILE, {"reason": str(reason), "overrides": list(overrides)})
 
 
 def rerun_command(overrides: list[str]) -> str:
@@ -306,11 +486,20 @@ def rerun_command(overrides: list[str]) -> str:
 
 
 class SweepSummary(Callback):
-    """Hydra callback (``hydra.callbacks``): after a multirun, list the jobs that failed, why,
-    and the command that reruns each; exit non-zero if any did."""
+    """Hydra callback (``hydra.callbacks``): after a multirun, list the jobs skipped because
+    another process held them and the jobs that failed, why, and the command that reruns each;
+    exit non-zero if any failed."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        skipped = sorted(sweep_dir.rglob(SKIPPED_FILE)) if sweep_dir.is_dir() else []
+        if skipped:
+            lines = [f"sweep: {len(skipped)} job(s) skipped, held by another process:"]
+            for path in skipped:
+                info = json.loads(path.read_text())
+                lines += [f"- {' '.join(info['overrides'])}", f"    {info['reason']}",
+                          f"    rerun: {rerun_command(info['overrides'])}"]
+            print("\n".join(lines), file=sys.stderr, flush=True)
         failures = sorted(sweep_dir.rglob(FAILURE_FILE)) if sweep_dir.is_dir() else []
         if not failures:
             return

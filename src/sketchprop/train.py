@@ -13,6 +13,7 @@ hub) is checked before the first heavy import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -362,6 +363,11 @@ def _code_commit() -> tuple[str | None, bool | None]:
     return _CODE_COMMIT
 
 
+#: Exit status of a run refused because another process holds its identity (EX_TEMPFAIL: the
+#: same command may succeed later, when that run has finished, and is then skipped).
+EXIT_CLAIMED = 75
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during a run; the message says how to continue it."""
 
@@ -370,36 +376,78 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
     """Train and evaluate one configuration; returns the result (None when skipped).
 
     ``output_dir`` is the run folder (default: Hydra's). ``callbacks`` are extra HF
-    ``TrainerCallback`` objects (tests use them to interrupt a run).
+    ``TrainerCallback`` objects (tests use them to interrupt a run). Raises
+    :class:`~sketchprop.runs.Claimed` when another process is running the same identity.
     """
     start = time.time()
     conf = validate(cfg)
-    if output_dir is None:
-        output_dir = HydraConfig.get().runtime.output_dir
-    output_dir = Path(output_dir)
+    output_dir = Path(output_dir if output_dir is not None else HydraConfig.get().runtime.output_dir)
     glue_dir = _check_sources(conf)
     files = run_files(conf, cfg, glue_dir)
+    if _finished(files, conf):
+        return None
+    _code_commit()  # the commit this process loaded, read before a long run gives time to move HEAD
+    # Rank 0 holds the claim for the whole run (under torchrun the other ranks follow it).
+    with files.claim() if _rank() == 0 else contextlib.nullcontext():
+        if _finished(files, conf):  # it finished while this process was starting
+            return None
+        threads = _threads(conf)
+        print(f"run: {conf.task.name}, {conf.model.name}, {conf.method.sketch.value}"
+              f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
+              f"seed {conf.train.seed}, data from "
+              f"{'the hub ' + glue.HUB_DATASET if glue_dir is None else glue_dir}, {threads} torch "
+              f"threads; identity {runs.run_stem(files.ident)}", flush=True)
+        raw = glue.load_glue(conf.task, glue_dir, conf.data.max_train_samples,
+                             conf.data.max_eval_samples)
+        args = _training_args(conf, files, threads)
+        resume_from = files.resume_point(conf.train.resume, conf.overwrite, args.process_index == 0)
+        with args.main_process_first(desc="tokenize"):
+            tokenizer, model, data = _model_and_data(conf, raw)
+        patched = _patch(conf, model)
+        wandb_run = None
+        if conf.logger.name == "wandb" and args.process_index == 0:
+            wandb_run = _wandb_init(conf, cfg, output_dir, files)
+        try:
+            trainer, out, epoch_logs, peak = _train(conf, model, tokenizer, data, args, files,
+                                                    resume_from, callbacks)
+            result = _result(conf, cfg, files, trainer, out, epoch_logs, peak, data, threads,
+                             patched, resume_from, output_dir)
+            if trainer.is_world_process_zero():
+                result["wall_seconds"] = time.time() - start
+                files.finish(result, output_dir)
+                log.info("result: %s %s", files.index, json.dumps(result["metrics"]))
+                if wandb_run is not None:
+                    wandb_run.summary.update({
+                        **{f"final/{k}": v for k, v in result["metrics"].items()},
+                        **{f"best/{k}": v for k, v in result["best_metrics"].items()},
+                        **{k: result[k] for k in SUMMARY_KEYS}, "recipe": result["recipe"],
+                        "identity": files.ident})
+            return result
+        finally:
+            if wandb_run is not None:
+                wandb_run.finish()
+
+
+def _finished(files: runs.RunFiles, conf: Config) -> bool:
     if files.done(conf.overwrite):
         print(f"skip: {files.index} exists (overwrite=true reruns it)", flush=True)
-        return None
-    commit, dirty = _code_commit()
-    threads = _threads(conf)
-    print(f"run: {conf.task.name}, {conf.model.name}, {conf.method.sketch.value}"
-          f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
-          f"seed {conf.train.seed}, data from "
-          f"{'the hub ' + glue.HUB_DATASET if glue_dir is None else glue_dir}, {threads} torch "
-          f"threads; identity {runs.run_stem(files.ident)}", flush=True)
-    raw = glue.load_glue(conf.task, glue_dir, conf.data.max_train_samples,
-                         conf.data.max_eval_samples)
+        return True
+    return False
 
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone); known before torch is imported."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _training_args(conf: Config, files: runs.RunFiles, threads: int):
+    """HF ``TrainingArguments`` from the recipe; sets the torch thread count."""
     import torch
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
-
-    from . import measure, patch_linear
+    from transformers import TrainingArguments
 
     torch.set_num_threads(threads)
-    tc, sketch_name = conf.train, conf.method.sketch.value
-    args = TrainingArguments(
+    tc = conf.train
+    return TrainingArguments(
         output_dir=str(files.checkpoints),
         per_device_train_batch_size=tc.batch_size,
         per_device_eval_batch_size=tc.eval_batch_size,
@@ -428,131 +476,140 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         use_cpu=not torch.cuda.is_available(),  # also what makes torchrun on CPUs use DDP (gloo)
         ddp_find_unused_parameters=False,  # every parameter of these models gets a gradient
     )
-    resume_from = files.resume_point(tc.resume, conf.overwrite, args.process_index == 0)
 
-    with args.main_process_first(desc="tokenize"):
-        set_seed(tc.seed)  # the new classifier head (or the whole random model) starts the same
-        tokenizer, model = build_model(conf, raw["train"])
-        data = glue.tokenize(raw, tokenizer, conf.task, tc.max_length)
-    if tc.gradient_checkpointing:
+
+def _model_and_data(conf: Config, raw):
+    """The seeded model and tokenizer, and the tokenized splits."""
+    from transformers import set_seed
+
+    set_seed(conf.train.seed)  # the new classifier head (or the whole random model) starts the same
+    tokenizer, model = build_model(conf, raw["train"])
+    data = glue.tokenize(raw, tokenizer, conf.task, conf.train.max_length)
+    if conf.train.gradient_checkpointing:
         # Non-reentrant: saved tensors go through saved_tensors_hooks, so the saved-activation
-        # count below sees what checkpointing keeps.
+        # count sees what checkpointing keeps.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    patched = []
-    if sketch_name != "exact":
-        m = conf.method
-        patched = patch_linear(model, sketch=sketch_name, rho=m.rho, targets=m.targets,
-                               exclude=m.exclude, share_inputs=m.share_inputs,
-                               skip_padding=m.skip_padding, min_rows=m.min_rows, seed=tc.seed,
-                               track_variance=m.track_variance, allocate=m.allocate.value)
-    log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
-             sketch_name, conf.method.rho)
+    return tokenizer, model, data
 
-    wandb_run = None
-    if conf.logger.name == "wandb" and args.process_index == 0:
-        wandb_run = _wandb_init(conf, cfg, output_dir, files)
-    collator = DataCollatorWithPadding(tokenizer)
+
+def _patch(conf: Config, model) -> list[str]:
+    """Patch the model's linear layers as the method says; the names patched."""
+    from . import patch_linear
+
+    patched = []
+    m = conf.method
+    if m.sketch.value != "exact":
+        patched = patch_linear(model, sketch=m.sketch.value, rho=m.rho, targets=m.targets,
+                               exclude=m.exclude, share_inputs=m.share_inputs,
+                               skip_padding=m.skip_padding, min_rows=m.min_rows,
+                               seed=conf.train.seed, track_variance=m.track_variance,
+                               allocate=m.allocate.value)
+    log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
+             m.sketch.value, m.rho)
+    return patched
+
+
+def _train(conf: Config, model, tokenizer, data, args, files: runs.RunFiles, resume_from,
+           callbacks):
+    """Train (continuing from ``resume_from``); the trainer, its output, the epoch-log callback
+    and the peak memory."""
+    from transformers import DataCollatorWithPadding, Trainer
+
+    from . import measure
+
     epoch_logs = _history_callback()
-    if conf.method.track_variance and sketch_name != "exact":
+    if conf.method.track_variance and conf.method.sketch.value != "exact":
         from .variance import VarianceCallback
 
         callbacks = [VarianceCallback(model=model), *callbacks]
     trainer = _with_memory_log(Trainer)(
-        model=model, args=args, data_collator=collator, processing_class=tokenizer,
-        train_dataset=data["train"], eval_dataset={d.split: data[d.split] for d in conf.task.dev},
-        compute_metrics=glue.compute_metrics(conf.task),
-        callbacks=[epoch_logs, *callbacks])
-    device = args.device
-    measure.reset_peak_memory(device)
+        model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer, train_dataset=data["train"],
+        eval_dataset={d.split: data[d.split] for d in conf.task.dev},
+        compute_metrics=glue.compute_metrics(conf.task), callbacks=[epoch_logs, *callbacks])
+    measure.reset_peak_memory(args.device)
     try:
-        try:
-            out = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        except KeyboardInterrupt:
-            last, _ = runs.newest_complete_checkpoint(files.checkpoints)
-            where = (f"it continues from {last}" if last is not None else
-                     "no checkpoint was complete yet (one is saved at each epoch end), so it "
-                     "starts again")
-            raise Interrupted(
-                f"interrupted at step {trainer.state.global_step}. Run the same command again "
-                f"and {where}:\n  {shlex.join(sys.orig_argv)}") from None
-        peak = measure.peak_memory_bytes(device)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16 if tc.precision.value == "bf16"
-                                  else torch.float16, enabled=tc.precision.value != "fp32")
-        saved = _saved_activation_bytes(model, collator, data["train"], tc.batch_size, device,
-                                        autocast)
-        history = _history(trainer.state.log_history, conf)
-        if not history:
-            raise runs.RunError("training ended without an evaluation; nothing to report")
-        paper_metric = _metric_names(conf)[0]
-        best = max(history, key=lambda h: -math.inf if h.get(paper_metric) is None
-                   else h[paper_metric])
-        runtime = out.metrics["train_runtime"]
-        steps_here = trainer.state.global_step - (_step_of(resume_from) if resume_from else 0)
-        tokens = trainer.state.num_input_tokens_seen - epoch_logs.tokens_at_start
-        sketch, rho = _sketch_rho(conf)
-        result = {
-            "task": conf.task.name,
-            "model": conf.model.name,
-            "sketch": sketch,
-            "rho": rho,
-            "seed": tc.seed,
-            "identity": files.ident,
-            "recipe": runs.recipe_hash(files.ident),
-            "kept": files.kept,
-            "epochs": round(trainer.state.epoch, 4),
-            "metrics": {k: history[-1].get(k) for k in _metric_names(conf)},
-            "best_metrics": {"epoch": best["epoch"],
-                             **{k: best.get(k) for k in _metric_names(conf)}},
-            "history": history,
-            # Train loss at every logging step (Figure 5 draws it against the per-epoch dev loss).
-            "loss_curve": [{"step": e["step"], "epoch": e.get("epoch"),
-                            "loss": runs.finite(e["loss"])}
-                           for e in trainer.state.log_history if "loss" in e and "step" in e],
-            "train_samples_per_second": out.metrics["train_samples_per_second"],
-            "tokens_per_second": tokens / runtime if runtime > 0 else None,
-            "seconds_per_step": runtime / steps_here if steps_here > 0 else None,
-            "peak_memory_bytes": peak,
-            "saved_activation_bytes": saved,
-            "gradient_checkpointing": tc.gradient_checkpointing,
-            "device": (f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
-                       else device.type),
-            "hardware": _hardware(device),
-            "torch_threads": threads,
-            "world_size": args.world_size,
-            "torch_version": torch.__version__,
-            "git_commit": commit,
-            "git_dirty": dirty,
-            "wall_seconds": None,  # set just before writing
-            "experiment": files.experiment,
-            "train_loss": out.metrics.get("train_loss"),
-            "train_runtime": runtime,
-            "global_step": trainer.state.global_step,
-            "patched_layers": len(patched),
-            "resumed_from_checkpoint": str(resume_from) if resume_from else None,
-            "run_dir": str(output_dir.resolve()),
-            "command": shlex.join(sys.orig_argv),
-            "overrides": (list(HydraConfig.get().overrides.task) if HydraConfig.initialized()
-                          else None),
-            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        }
-        if conf.method.track_variance and sketch_name != "exact":
-            from .variance import collect
+        out = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except KeyboardInterrupt:
+        last, _ = runs.newest_complete_checkpoint(files.checkpoints)
+        where = (f"it continues from {last}" if last is not None else
+                 "no checkpoint was complete yet (one is saved at each epoch end), so it "
+                 "starts again")
+        raise Interrupted(
+            f"interrupted at step {trainer.state.global_step}. Run the same command again "
+            f"and {where}:\n  {shlex.join(sys.orig_argv)}") from None
+    return trainer, out, epoch_logs, measure.peak_memory_bytes(args.device)
 
-            result["variance"] = collect(model)
-        if trainer.is_world_process_zero():
-            result["wall_seconds"] = time.time() - start
-            files.finish(result, output_dir)
-            log.info("result: %s %s", files.index, json.dumps(result["metrics"]))
-            if wandb_run is not None:
-                wandb_run.summary.update({
-                    **{f"final/{k}": v for k, v in result["metrics"].items()},
-                    **{f"best/{k}": v for k, v in result["best_metrics"].items()},
-                    **{k: result[k] for k in SUMMARY_KEYS}, "recipe": result["recipe"],
-                    "identity": files.ident})
-        return result
-    finally:
-        if wandb_run is not None:
-            wandb_run.finish()
+
+def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, epoch_logs, peak,
+            data, threads: int, patched: list[str], resume_from, output_dir: Path) -> dict:
+    """The result record (``result.json``; its ``wall_seconds`` is set by the caller)."""
+    import torch
+
+    tc, device = conf.train, trainer.args.device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16 if tc.precision.value == "bf16"
+                              else torch.float16, enabled=tc.precision.value != "fp32")
+    saved = _saved_activation_bytes(trainer.model, trainer.data_collator, data["train"],
+                                    tc.batch_size, device, autocast)
+    history = _history(trainer.state.log_history, conf)
+    if not history:
+        raise runs.RunError("training ended without an evaluation; nothing to report")
+    paper_metric = _metric_names(conf)[0]
+    best = max(history, key=lambda h: -math.inf if h.get(paper_metric) is None
+               else h[paper_metric])
+    runtime = out.metrics["train_runtime"]
+    steps_here = trainer.state.global_step - (_step_of(resume_from) if resume_from else 0)
+    tokens = trainer.state.num_input_tokens_seen - epoch_logs.tokens_at_start
+    sketch, rho = _sketch_rho(conf)
+    commit, dirty = _code_commit()
+    result = {
+        "task": conf.task.name,
+        "model": conf.model.name,
+        "sketch": sketch,
+        "rho": rho,
+        "seed": tc.seed,
+        "identity": files.ident,
+        "recipe": runs.recipe_hash(files.ident),
+        "kept": files.kept,
+        "epochs": round(trainer.state.epoch, 4),
+        "metrics": {k: history[-1].get(k) for k in _metric_names(conf)},
+        "best_metrics": {"epoch": best["epoch"], **{k: best.get(k) for k in _metric_names(conf)}},
+        "history": history,
+        # Train loss at every logging step (Figure 5 draws it against the per-epoch dev loss).
+        "loss_curve": [{"step": e["step"], "epoch": e.get("epoch"), "loss": runs.finite(e["loss"])}
+                       for e in trainer.state.log_history if "loss" in e and "step" in e],
+        "train_samples_per_second": out.metrics["train_samples_per_second"],
+        "tokens_per_second": tokens / runtime if runtime > 0 else None,
+        "seconds_per_step": runtime / steps_here if steps_here > 0 else None,
+        "peak_memory_bytes": peak,
+        "saved_activation_bytes": saved,
+        "gradient_checkpointing": tc.gradient_checkpointing,
+        "device": (f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+                   else device.type),
+        "hardware": _hardware(device),
+        "torch_threads": threads,
+        "world_size": trainer.args.world_size,
+        "torch_version": torch.__version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "wall_seconds": None,  # set just before writing
+        "experiment": files.experiment,
+        "train_loss": out.metrics.get("train_loss"),
+        "train_runtime": runtime,
+        "global_step": trainer.state.global_step,
+        "patched_layers": len(patched),
+        "resumed_from_checkpoint": str(resume_from) if resume_from else None,
+        "run_dir": str(output_dir.resolve()),
+        "command": shlex.join(sys.orig_argv),
+        "overrides": (list(HydraConfig.get().overrides.task) if HydraConfig.initialized()
+                      else None),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+    }
+    if conf.method.track_variance and sketch != "exact":
+        from .variance import collect
+
+        result["variance"] = collect(trainer.model)
+    return result
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -582,6 +639,11 @@ def main(cfg: DictConfig) -> None:
         print(f"\ninterrupted before training started; run the same command again:\n  "
               f"{shlex.join(sys.orig_argv)}", file=sys.stderr, flush=True)
         sys.exit(130)
+    except runs.Claimed as err:
+        log.error("%s", err)
+        if not sweep:
+            sys.exit(EXIT_CLAIMED)
+        runs.record_skip(Path(hc.runtime.output_dir), err, list(hc.overrides.task))
     except (ConfigError, runs.RunError, glue.GlueDataError, FloatingPointError) as err:
         log.error("%s", err)
         if not sweep:
