@@ -9,6 +9,8 @@ from transformers import TrainerCallback
 
 from sketchprop import glue
 from sketchprop.config import compose, validate
+from sketchprop.glue_metric import PATH as GLUE_METRIC
+from sketchprop.glue_metric import REGRESSION, TASK_METRICS
 from sketchprop.train import run
 
 
@@ -140,6 +142,43 @@ def test_constant_predictions_have_no_correlation():
 
 # ---------------------------------------------------------------------------------------------
 # A CoLA run: the reported MCC is the MCC of the trained model's dev predictions.
+
+
+@pytest.mark.parametrize("name", sorted(TASK_METRICS))
+def test_the_evaluate_module_equals_glue_metrics(name):
+    """The shipped evaluate module, loaded by path as the pipeline loads it, gives exactly what
+    glue_metrics gives on random predictions (float32 scores, as the trainer passes them), and
+    the pipeline's compute_metrics does too."""
+    import evaluate
+    from transformers import EvalPrediction
+
+    conf = task(name)
+    assert TASK_METRICS[name] == tuple(m.value for m in conf.metrics)
+    assert (name in REGRESSION) == conf.regression
+    rng = np.random.default_rng(sum(map(ord, name)))
+    n = 500
+    if conf.regression:
+        logits = rng.normal(2.5, 1.0, size=(n, 1)).astype(np.float32)
+        labels = rng.uniform(0, 5, size=n).astype(np.float32)
+        predictions = logits.reshape(-1)
+    else:
+        logits = rng.normal(size=(n, len(conf.labels))).astype(np.float32)
+        # Labels that agree with the argmax 70% of the time: metrics far from their chance value.
+        labels = np.where(rng.random(n) < 0.7, logits.argmax(-1),
+                          rng.integers(0, len(conf.labels), n))
+        predictions = logits.argmax(-1)
+    expected = glue.glue_metrics(conf, logits, labels)
+    assert set(expected) == set(TASK_METRICS[name]) and None not in expected.values()
+    metric = evaluate.load(GLUE_METRIC, name, keep_in_memory=True)
+    assert metric.compute(predictions=predictions, references=labels) == expected
+    assert glue.compute_metrics(conf)(EvalPrediction(logits, labels)) == expected
+
+
+def test_the_evaluate_module_refuses_an_unknown_task():
+    import evaluate
+
+    with pytest.raises(KeyError, match="unknown GLUE task 'colaa'"):
+        evaluate.load(GLUE_METRIC, "colaa", keep_in_memory=True)
 
 
 def run_overrides(tmp, glue_dir, *extra):

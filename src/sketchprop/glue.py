@@ -299,13 +299,21 @@ def glue_metrics(task, predictions: np.ndarray, labels: np.ndarray) -> dict[str,
 
 
 def compute_metrics(task):
-    """A ``compute_metrics`` function for the HF Trainer."""
+    """A ``compute_metrics`` function for the HF Trainer: :func:`glue_metrics` through the
+    ``evaluate`` module :mod:`sketchprop.glue_metric`, loaded once, by path (offline)."""
+    import evaluate
+
+    from .glue_metric import PATH
+
+    metric = evaluate.load(PATH, task.name, keep_in_memory=True)
 
     def fn(eval_pred):
         predictions = eval_pred.predictions
         if isinstance(predictions, tuple):
             predictions = predictions[0]
-        return glue_metrics(task, predictions, eval_pred.label_ids)
+        predictions = np.asarray(predictions)
+        predictions = predictions.reshape(-1) if task.regression else predictions.argmax(-1)
+        return metric.compute(predictions=predictions, references=eval_pred.label_ids)
 
     return fn
 
