@@ -9,6 +9,8 @@ files of ``scripts/memory_table.py`` under ``results/memory/``) and writes
   against the exact run), the paper's numbers beside ours where they exist;
 - ``results/tables/table4.md|csv``: CoLA per sketch and rate: score, and speed from the controlled
   benchmark (``results/bench``), never from the training runs' wall times;
+- ``results/tables/comparisons.md|csv``: the recommended configurations against named baselines
+  (:data:`COMPARISONS`), paired by seed, with a t-interval and a verdict;
 - ``results/tables/table3.md|csv``: saved-activation bytes and peak memory per task and batch, for
   the paper's layout, ours, and activation checkpointing (alone and with ours), with the step time
   against exact from the controlled benchmark;
@@ -19,6 +21,10 @@ Speed comes only from ``scripts/bench_*.py`` (``results/bench/*.json``): each co
 in one process, interleaved with the exact baseline, every sample divided by the baseline samples
 around it. The training runs' own times were taken on cores shared with other jobs and are not
 shown as speed anywhere.
+
+Methods are compared by seed: seed s gives every method the same classifier initialisation and the
+same data order, so Table 2, Table 4 and the comparisons show the mean paired difference (with its
+standard error and the number of pairs) beside the unpaired mean ± sd.
 
 Nothing else goes in: no number is typed here except the paper's own, which are labelled as such.
 The same JSON files give the same output files (sorted input, no timestamps in the images).
@@ -33,6 +39,9 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
+
+from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +62,29 @@ TASK_NAMES = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", 
 # The layer the Table 4 speed column quotes from scripts/bench_layer.py (roberta-base's FFN input).
 BENCH_LAYER = ("768x3072", 4096)
 RATES = (0.5, 0.2, 0.1)
+
+
+def key_of(sketch: str, layout: str = "-", rho: float = 1.0) -> tuple:
+    """A method's key as :func:`method_key` gives it, by name: ``key_of("blocksrht", "ours", 0.1)``
+    (layouts as :func:`scheme` names them)."""
+    return (SKETCH_ORDER.index(sketch), sketch, layout, -float(rho))
+
+
+EXACT = key_of("exact")
+REC = key_of("blocksrht", "ours", 0.1)  # the recommended sketch at the recommended rate
+IMPORTANCE = key_of("importance", "ours", 0.1)
+IMPORTANCE_ALLOC = key_of("importance", "ours+alloc", 0.1)
+# The recommended configurations against named baselines, (task, method, baseline), paired by seed
+# in results/tables/comparisons.md. A comparison whose runs are not there yet is listed as such.
+COMPARISONS = [
+    ("cola", REC, EXACT),
+    ("cola", key_of("blocksrht", "ours", 0.2), EXACT),
+    ("cola", IMPORTANCE_ALLOC, EXACT),
+    ("cola", IMPORTANCE_ALLOC, REC),
+    ("cola", key_of("blocksrht", "ours+ckpt", 0.1), REC),
+    *[(task, method, baseline) for task in ("mrpc", "stsb", "sst2")
+      for method, baseline in ((IMPORTANCE, REC), (IMPORTANCE, EXACT), (REC, EXACT))],
+]
 
 # The paper's Table 4 (Bershatsky et al. 2022), as the authors' saved notebook output gives it:
 # CoLA, roberta-base, Matthews corr. x100 at the best of 10 epochs, and the 10-epoch training time
@@ -180,6 +212,112 @@ def fmt_score(values: list[float]) -> str:
     return f"{mean:.2f}" if sd is None else f"{mean:.2f} ± {sd:.2f} (n={len(values)})"
 
 
+# ---------------------------------------------------------------------------------------------
+# Paired differences
+
+#: What a paired comparison lets differ; everything else in two runs' identities (task, model,
+#: training recipe, data) must match. The method is what is compared, the seed is what pairs, and
+#: activation checkpointing changes what is kept for backward, not the model, data or recipe.
+NOT_PAIRING = ("method", "seed", "train.gradient_checkpointing")
+
+
+def pairing_recipe(run: dict) -> dict:
+    """The run's identity less :data:`NOT_PAIRING`."""
+    ident = json.loads(json.dumps(run["identity"]))
+    for dotted in NOT_PAIRING:
+        *parents, key = dotted.split(".")
+        node = ident
+        for part in parents:
+            node = node.get(part, {})
+        node.pop(key, None)
+    return ident
+
+
+class Paired(NamedTuple):
+    """Score differences method - baseline of the seeds both have, in seed order."""
+
+    seeds: tuple[int, ...]
+    diffs: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.diffs) if self.diffs else math.nan
+
+    @property
+    def se(self) -> float | None:
+        """Standard error of the mean difference: sample sd of the differences / sqrt(n)."""
+        return statistics.stdev(self.diffs) / math.sqrt(self.n) if self.n > 1 else None
+
+    def interval(self, level: float = 0.95) -> tuple[float, float]:
+        """Student-t interval of the mean difference, n - 1 degrees of freedom (n >= 2)."""
+        half = stats.t.ppf(0.5 + level / 2, self.n - 1) * self.se
+        return self.mean - half, self.mean + half
+
+
+def paired(runs: list[dict], baseline: list[dict]) -> Paired:
+    """The differences ``score(run) - score(baseline run)`` seed by seed.
+
+    Seed s gives every method the same classifier initialisation and data order, so a difference
+    within a seed is free of that part of the seed-to-seed spread. Only seeds both sides have pair;
+    a seed whose score is missing on either side (an undefined correlation) does not. Raises
+    :class:`MixedRecipes` naming the setting and the files when two of the runs differ in anything
+    but :data:`NOT_PAIRING`, or when one side has a seed twice.
+    """
+    everyone = [(r, pairing_recipe(r)) for r in [*baseline, *runs]]
+    if not everyone:
+        return Paired((), ())
+    (first, recipe), *others = everyone
+    problems = [f"{r['_path']} differs from {first['_path']} in "
+                + ", ".join(_differences(recipe, other)) for r, other in others if other != recipe]
+    if problems:
+        raise MixedRecipes("paired runs must share task, model, training recipe and data (all of "
+                           f"the identity but {', '.join(NOT_PAIRING)}):\n  "
+                           + "\n  ".join(problems))
+
+    def by_seed(side: list[dict]) -> dict[int, float | None]:
+        found: dict[int, dict] = {}
+        for r in side:
+            if r["seed"] in found:
+                raise MixedRecipes(f"two runs of seed {r['seed']} to pair: "
+                                   f"{found[r['seed']]['_path']} and {r['_path']}")
+            found[r["seed"]] = r
+        return {seed: score(r) for seed, r in found.items()}
+
+    ours, base = by_seed(runs), by_seed(baseline)
+    seeds = sorted(s for s in ours.keys() & base.keys()
+                   if ours[s] is not None and base[s] is not None)
+    return Paired(tuple(seeds), tuple(ours[s] - base[s] for s in seeds))
+
+
+def fmt_paired(p: Paired) -> str:
+    """``-7.19 ± 0.49 (n=3)`` (mean difference ± standard error), or why there is none."""
+    if p.n < 2:
+        return "one seed" if p.n == 1 else "no seed in common"
+    return f"{p.mean:+.2f} ± {p.se:.2f} (n={p.n})"
+
+
+def verdict(p: Paired) -> str:
+    """``higher`` or ``lower`` when the 95% interval excludes 0, else ``no difference measured``
+    (not a finding of equality: with few seeds the interval is wide)."""
+    if p.n < 2:
+        return "n<2: no claim"
+    low, high = p.interval()
+    if low <= 0 <= high:
+        return "no difference measured"
+    return "higher" if low > 0 else "lower"
+
+
+PAIRED_TEXT = (
+    "'paired to exact': the mean over seeds of this method's score minus the exact run's of the "
+    "same seed (seed s gives every method the same classifier initialisation and data order), ± "
+    "its standard error (sd of the differences / sqrt(n)), n = seeds both have; 'one seed' where "
+    "only one pairs, which measures no spread.")
+
+
 def mmss(seconds: float) -> str:
     return f"{int(seconds // 60):02d}:{int(round(seconds % 60)):02d}"
 
@@ -301,24 +439,28 @@ def table2(runs: list[dict], experiment: str, stem: Path, majority: dict | None 
     if not runs:
         return
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in runs)]
-    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    cells: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
-        cells[method_key(r)][r["task"]].append(score(r))
-    exact = {t: mean_sd(v)[0] for t, v in cells.get((0, "exact", "-", -1.0), {}).items()}
-    header = ["method"] + [f"{t} ({METRIC[t]})" for t in tasks] + ["mean drop"]
+        cells[method_key(r)][r["task"]].append(r)
+    exact_runs = cells.get(EXACT, {})
+    exact = {t: mean_sd([score(r) for r in rs])[0] for t, rs in exact_runs.items()}
+    header = (["method"] + [c for t in tasks for c in (f"{t} ({METRIC[t]})", f"{t} paired to exact")]
+              + ["mean drop"])
     if "cola" in tasks:
         header.append("paper CoLA (roberta-base)")
     rows = []
     for key in sorted(cells):
         row, drops = [method_label(key)], []
         for t in tasks:
-            values = cells[key].get(t, [])
-            text = fmt_score(values)
-            if values and key[1] != "exact" and t in exact:
+            rs = cells[key].get(t, [])
+            values = [score(r) for r in rs]
+            text, pair = fmt_score(values), "-"
+            if rs and key != EXACT and t in exact:
                 drop = mean_sd(values)[0] - exact[t]
                 drops.append(drop)
                 text += f" [{drop:+.2f}]"
-            row.append(text)
+                pair = fmt_paired(paired(rs, exact_runs[t]))
+            row += [text, pair]
         row.append(f"{statistics.fmean(drops):+.2f}" if drops else "-")
         if "cola" in tasks:
             paper = PAPER_TABLE4.get((key[1], -key[3])) if key[1] in ("exact", "gaussian") else None
@@ -328,15 +470,16 @@ def table2(runs: list[dict], experiment: str, stem: Path, majority: dict | None 
         row = ["majority class"]
         for t in tasks:
             value = majority["tasks"].get(t, {}).get("validation", {}).get(METRIC[t])
-            row.append("-" if value is None else f"{value:.2f}")
+            row += ["-" if value is None else f"{value:.2f}", ""]
         rows.insert(1, row + [""] * (len(header) - len(row)))
     write_table(stem, header, rows, (
         f"# Table 2 analogue ({experiment})\n\n"
         "Dev score x100 at the best epoch (as the paper reports), mean ± sample sd over seeds where "
-        "there are several; [difference to the exact run]. 'paper' = the authors' layout "
-        "(a sketch per layer, padding rows sketched, head patched); 'ours' = shared Q/K/V "
-        "sketch, padding rows skipped, head exact. The paper's Table 2 numbers other than "
-        "CoLA were not retrievable; its CoLA column equals its Table 4 Gaussian rows."
+        "there are several; [difference to the exact run's mean]. " + PAIRED_TEXT
+        + " 'paper' = the authors' layout (a sketch per layer, padding rows sketched, head "
+        "patched); 'ours' = shared Q/K/V sketch, padding rows skipped, head exact. The paper's "
+        "Table 2 numbers other than CoLA were not retrievable; its CoLA column equals its Table 4 "
+        "Gaussian rows."
         + (" 'majority class': always the most frequent training label (STS-B: the mean score, "
            "whose correlation is undefined), from " + majority["command"] if majority else "")
         + "\n\n" + describe(runs)))
@@ -349,12 +492,12 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in runs:
         groups[method_key(r)].append(r)
-    base = groups.get((0, "exact", "-", -1.0), [])
+    base = groups.get(EXACT, [])
     base_score = mean_sd([score(r) for r in base])[0] if base else None
     model = runs[0]["model"]
     step = bench_step_ratios(bench_dir, model) if bench_dir else {}
     layer = bench_layer_ratios(bench_dir) if bench_dir else {}
-    header = ["sketch", "layout", "rho", "CoLA (matthews)", "vs exact",
+    header = ["sketch", "layout", "rho", "CoLA (matthews)", "vs exact", "paired to exact",
               f"{model} step time / exact (bench)",
               f"{BENCH_LAYER[0]} layer time / nn.Linear (bench)", "paper score", "paper time (GPU)"]
     rows = []
@@ -376,6 +519,7 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
             sketch, layout, f"{rho:g}" if sketch != "exact" else "-",
             fmt_score([score(r) for r in rs]),
             f"{s - base_score:+.2f}" if base_score is not None and sketch != "exact" else "-",
+            fmt_paired(paired(rs, base)) if base and sketch != "exact" else "-",
             fmt_ratio(step.get(step_name)), fmt_ratio(layer.get(layer_name)),
             f"{paper[0]:.2f}" if paper else "-", paper[1] if paper else "-",
         ])
@@ -383,7 +527,9 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
     linfo = layer.get("_info", {})
     write_table(stem, header, rows, (
         f"# Table 4 analogue ({experiment}, CoLA)\n\n"
-        "Matthews corr. x100 at the best epoch. The paper's columns are roberta-base, 10 epochs, "
+        "Matthews corr. x100 at the best epoch, mean ± sample sd over seeds where there are "
+        "several; 'vs exact': difference to the exact run's mean. " + PAIRED_TEXT
+        + " The paper's columns are roberta-base, 10 epochs, "
         "one GPU (its Table 4, as the authors' saved notebook output gives it; its time is the "
         "whole 10-epoch training). No training time of these runs is shown: they shared two CPU "
         "cores with other jobs, and their wall times vary by tens of percent between runs. Speed "
@@ -400,6 +546,54 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
            f"({', '.join(linfo.get('runs', []))})."
            if linfo else "'layer': no benchmark file.")
         + "\n\n" + describe(runs)))
+
+
+def comparisons(runs: list[dict], experiment: str, stem: Path) -> None:
+    """Each of :data:`COMPARISONS` paired by seed: the differences, their mean and standard error,
+    the 95% t-interval and a verdict (:func:`verdict`)."""
+    runs = [r for r in runs if r["_experiment"] == experiment]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in runs:
+        groups[(r["task"], method_key(r))].append(r)
+    header = ["task", "method", "baseline", "n pairs", "seeds", "difference per seed",
+              "mean difference", "SE", "95% interval", "verdict"]
+    rows, used, absent = [], [], []
+    for task, method, baseline in COMPARISONS:
+        ours, base = groups.get((task, method), []), groups.get((task, baseline), [])
+        name = f"{TASK_NAMES.get(task, task)} {method_label(method)} vs {method_label(baseline)}"
+        if not ours or not base:
+            absent.append(name)
+            continue
+        used += ours + base
+        p = paired(ours, base)
+        interval = "-"
+        if p.n > 1:
+            low, high = p.interval()
+            interval = f"[{low:+.2f}, {high:+.2f}]"
+        rows.append([
+            TASK_NAMES.get(task, task), method_label(method), method_label(baseline), p.n,
+            ", ".join(map(str, p.seeds)) or "-", " / ".join(f"{d:+.2f}" for d in p.diffs) or "-",
+            f"{p.mean:+.2f}" if p.n > 1 else "-", f"{p.se:.2f}" if p.n > 1 else "-", interval,
+            verdict(p)])
+    if not rows:
+        return
+    unique = list({r["_path"]: r for r in used}.values())
+    write_table(stem, header, rows, (
+        f"# Paired comparisons of the recommended configurations ({experiment})\n\n"
+        "Dev score x100 at the best epoch (the tables' score). Runs are paired by seed: seed s "
+        "gives a method and its baseline the same classifier initialisation and the same data "
+        "order, so the difference of their two runs is free of that part of the seed-to-seed "
+        "spread; only seeds both have pair. Paired runs share task, model, training recipe and "
+        "data (activation checkpointing may differ: it changes what is kept for backward, not "
+        "the model, data or recipe). 'mean difference' is method minus baseline, 'SE' the sample "
+        "sd of the differences / sqrt(n), the interval the mean ± t(0.975, n-1) SE (Student t "
+        "with n-1 degrees of freedom, which takes the differences as roughly normal). Verdict: "
+        "'higher' or 'lower' when the interval excludes 0; 'no difference measured' when it "
+        "includes 0, which is not a finding of equality (a few seeds give a wide interval); "
+        "'n<2: no claim' with fewer than two pairs."
+        + (" Declared in scripts/make_tables.py but without runs here: " + "; ".join(absent) + "."
+           if absent else "")
+        + "\n\n" + describe(unique)))
 
 
 def _recipe(r: dict) -> tuple[float, int, float]:
@@ -820,6 +1014,7 @@ def main(argv: list[str] | None = None) -> None:
     table2(runs, args.cpu_experiment, tables / "table2", majority)
     bench = results / "bench"
     table4(runs, args.cpu_experiment, tables / "table4", bench)
+    comparisons(runs, args.cpu_experiment, tables / "comparisons")
     table2(runs, "table2", tables / "table2_roberta")
     table4(runs, "table4", tables / "table4_roberta", bench)
     table3_runs(runs, "table3", tables / "table3_roberta")
@@ -828,7 +1023,8 @@ def main(argv: list[str] | None = None) -> None:
     figure3(results / "memory", figures)
     figure5(runs, args.cpu_experiment, figures)
     figure6(bench, figures)
-    embed_in_readme(results.parent / "README.md", tables / "table4.md", "table4")
+    for name in ("table4", "comparisons"):
+        embed_in_readme(results.parent / "README.md", tables / f"{name}.md", name)
     for path in sorted([*tables.glob("*.md"), *figures.glob("figure[356]*.png")]):
         print(path.relative_to(results.parent) if path.is_relative_to(results.parent) else path)
 

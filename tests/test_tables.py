@@ -220,7 +220,8 @@ def test_majority_baseline_row(make_tables, tmp_path, glue_dir):
     make_tables.main(["--results", str(tmp_path)])
     lines = (tmp_path / "tables" / "table2.md").read_text().splitlines()
     exact = next(i for i, line in enumerate(lines) if line.startswith("| exact |"))
-    assert lines[exact + 1].startswith("| majority class | 0.00 | - |")  # cola; mrpc not scored
+    # cola, its paired column empty; mrpc not scored
+    assert lines[exact + 1].startswith("| majority class | 0.00 |  | - |  |")
 
 
 def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
@@ -275,3 +276,116 @@ def test_run_files_without_identity_are_refused(tmp_path, make_tables):
     (tmp_path / "runs/minilm_cpu/cola/dct-rho0.1-seed1.json").write_text(json.dumps(old))
     with pytest.raises(make_tables.MixedRecipes, match="migrate_runs.py"):
         make_tables.main(["--results", str(tmp_path)])
+
+
+def write_paired_runs(results: Path, edit=None) -> None:
+    """CoLA runs for the paired comparisons, seeds missing on purpose: exact has seeds 1-4,
+    blocksrht 0.1 seeds 1-3, importance+alloc seeds 1, 2, 3, 5, blocksrht 0.2 seed 1 only.
+    ``edit(identity)`` changes the blocksrht 0.1 runs' identity (all seeds alike)."""
+    scores = {("exact", 1.0, "", False): {1: 50, 2: 52, 3: 57, 4: 60},
+              ("blocksrht", 0.1, "", False): {1: 45, 2: 48, 3: 50},
+              ("blocksrht", 0.1, "", True): {1: 49, 2: 44, 3: 53},
+              ("blocksrht", 0.2, "", False): {1: 49},
+              ("importance", 0.1, "variance", False): {1: 47, 2: 47, 3: 54, 5: 99}}
+    for (sketch, rho, allocate, ckpt), by_seed in scores.items():
+        for seed, value in by_seed.items():
+            run = fake_run("cola", sketch, rho, seed, value, 100, share=sketch != "exact",
+                           **({"gradient_checkpointing": True} if ckpt else {}))
+            if allocate:
+                run["identity"]["method"]["allocate"] = allocate
+                run["config"]["method"]["allocate"] = allocate
+            if edit and (sketch, rho, ckpt) == ("blocksrht", 0.1, False):
+                edit(run["identity"])
+            run["recipe"] = sp_runs.recipe_hash(run["identity"])
+            path = results / "runs/minilm_cpu/cola" / f"{sp_runs.run_stem(run['identity'])}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(run))
+
+
+def comparison_rows(results: Path) -> dict[tuple[str, str], list[str]]:
+    lines = (results / "tables/comparisons.md").read_text().splitlines()
+    cells = [line.strip("| ").split(" | ") for line in lines if line.startswith("| CoLA |")]
+    return {(c[1], c[2]): c[3:] for c in cells}
+
+
+def test_paired_differences_by_seed(tmp_path, make_tables):
+    """Only seeds both runs have pair; the mean difference, its SE (sd / sqrt(n)) and n, beside the
+    unpaired mean ± sd, in Table 2, Table 4 and the comparisons (md and csv)."""
+    write_paired_runs(tmp_path)
+    make_tables.main(["--results", str(tmp_path)])
+    # blocksrht 0.1 - exact, seeds 1-3 (exact's seed 4 has no pair): -5, -4, -7. Mean -16/3 = -5.33;
+    # sd sqrt((1/9 + 16/9 + 25/9) / 2) = sqrt(7/3) = 1.528, SE 1.528 / sqrt(3) = 0.88.
+    # Unpaired: 47.67 ± 2.52 against exact's mean over four seeds 54.75: -7.08.
+    row = next(line for line in (tmp_path / "tables/table2.md").read_text().splitlines()
+               if line.startswith("| blocksrht (ours) rho=0.1 |"))
+    assert "| 47.67 ± 2.52 (n=3) [-7.08] | -5.33 ± 0.88 (n=3) |" in row
+    table4 = (tmp_path / "tables/table4.md").read_text()
+    assert "| blocksrht | ours | 0.1 | 47.67 ± 2.52 (n=3) | -7.08 | -5.33 ± 0.88 (n=3) |" in table4
+    # One seed in common: said, no number.
+    assert "| blocksrht | ours | 0.2 | 49.00 | -5.75 | one seed |" in table4
+    row = next(line for line in (tmp_path / "tables/table2.md").read_text().splitlines()
+               if line.startswith("| blocksrht (ours) rho=0.2 |"))
+    assert "| 49.00 [-5.75] | one seed |" in row
+    # Checkpointing does not enter the pairing recipe: 49, 44, 53 against exact: -1, -8, -4, mean
+    # -13/3 = -4.33, sd sqrt((100/9 + 121/9 + 1/9) / 2) = sqrt(37/3) = 3.51, SE 2.03.
+    assert "| ours+ckpt | 0.1 | 48.67 ± 4.51 (n=3) | -6.08 | -4.33 ± 2.03 (n=3) |" in table4
+    assert "-5.33 ± 0.88 (n=3)" in (tmp_path / "tables/table2.csv").read_text()
+
+    rows = comparison_rows(tmp_path)
+    rec, alloc = "blocksrht (ours) rho=0.1", "importance (ours+alloc) rho=0.1"
+    # t(0.975, 2) = 4.303: -5.33 ± 4.303 * 0.882 = [-9.13, -1.54], below 0.
+    assert rows[(rec, "exact")] == ["3", "1, 2, 3", "-5.00 / -4.00 / -7.00", "-5.33", "0.88",
+                                    "[-9.13, -1.54]", "lower"]
+    # importance+alloc has seed 5 and no seed 4: seeds 1-3 pair, +2, -1, +4 against blocksrht.
+    # Mean 5/3 = 1.67, sd sqrt(19/3) = 2.517, SE 1.45; 1.67 ± 4.303 * 1.453 = [-4.58, +7.92].
+    assert rows[(alloc, rec)] == ["3", "1, 2, 3", "+2.00 / -1.00 / +4.00", "+1.67", "1.45",
+                                  "[-4.58, +7.92]", "no difference measured"]
+    # Against exact: -3, -5, -3: mean -3.67, SE sqrt(4/3) / sqrt(3) = 0.67, [-6.54, -0.80].
+    assert rows[(alloc, "exact")][3:] == ["-3.67", "0.67", "[-6.54, -0.80]", "lower"]
+    assert rows[("blocksrht (ours) rho=0.2", "exact")] == ["1", "1", "-1.00", "-", "-", "-",
+                                                            "n<2: no claim"]
+    assert rows[("blocksrht (ours+ckpt) rho=0.1", rec)][-1] == "no difference measured"
+    # Declared comparisons without runs (MRPC, STS-B, SST-2 here) are named, not rows.
+    text = (tmp_path / "tables/comparisons.md").read_text()
+    assert "without runs here: MRPC importance (ours) rho=0.1 vs blocksrht (ours) rho=0.1;" in text
+    assert "| MRPC |" not in text
+    assert "n<2: no claim" in (tmp_path / "tables/comparisons.csv").read_text()
+
+
+@pytest.mark.parametrize(("edit", "setting"), [
+    (lambda ident: ident["train"].update(learning_rate=3e-5), "train.learning_rate"),
+    (lambda ident: ident["train"].update(max_length=64), "train.max_length"),
+    (lambda ident: ident["data"].update(sha256="1" * 16), "data.sha256"),
+    (lambda ident: ident["model"].update(name="roberta-base"), "model.name"),
+])
+def test_paired_runs_of_different_recipes_are_refused(tmp_path, make_tables, edit, setting):
+    """blocksrht 0.1 trained with another setting than exact: one recipe per cell, so only the
+    pairing can catch it; it names the setting and the files."""
+    write_paired_runs(tmp_path, edit)
+    with pytest.raises(make_tables.MixedRecipes, match=rf"in {setting.replace('.', '[.]')}$") as info:
+        make_tables.main(["--results", str(tmp_path)])
+    assert "blocksrht-rho0.1-seed1-" in str(info.value) and "exact-rho1.0-seed1-" in str(info.value)
+
+
+def test_verdict_wording(make_tables):
+    """'higher'/'lower' only when the 95% t-interval excludes 0."""
+    paired = make_tables.Paired
+    # +1.0, +1.1, +0.9: SE 0.058, interval 1.0 ± 0.25, above 0.
+    assert make_tables.verdict(paired((1, 2, 3), (1.0, 1.1, 0.9))) == "higher"
+    assert make_tables.verdict(paired((1, 2, 3), (-1.0, -1.1, -0.9))) == "lower"
+    # +3, -1: mean 1, SE 2, t(0.975, 1) = 12.7: the interval spans 0.
+    assert make_tables.verdict(paired((1, 2), (3.0, -1.0))) == "no difference measured"
+    # +1.0, +1.1, +0.9 would be 'higher' at n=3; one seed makes no claim however large.
+    assert make_tables.verdict(paired((1,), (50.0,))) == "n<2: no claim"
+    assert make_tables.fmt_paired(paired((1,), (50.0,))) == "one seed"
+
+
+def test_a_seed_without_a_score_does_not_pair(make_tables):
+    """An undefined metric (e.g. the correlation of constant predictions) leaves its seed out."""
+    exact = [fake_run("cola", "exact", 1.0, s, 50 + s, 100) for s in (1, 2, 3)]
+    ours = [fake_run("cola", "blocksrht", 0.1, s, 40 + 2 * s, 100, share=True) for s in (1, 2, 3)]
+    ours[1]["best_metrics"]["matthews"] = None
+    for i, r in enumerate(exact + ours):
+        r["_path"] = f"run{i}.json"
+    p = make_tables.paired(ours, exact)
+    assert p.seeds == (1, 3) and p.diffs == (-9, -7)
