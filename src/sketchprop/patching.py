@@ -1,8 +1,9 @@
-"""Module surgery: swap ``nn.Linear`` layers for :class:`RandomizedLinear` and back.
+"""Module surgery: swap linear layers (``nn.Linear`` and transformers' ``Conv1D``) for
+:class:`RandomizedLinear` and back.
 
 Every argument and every match is checked before the first module is replaced, so a bad call leaves
 the model untouched. The replacement reuses the original ``weight`` and ``bias`` Parameters: state_dict
-keys, optimizer parameter groups and pretrained loading are unchanged.
+keys, tied weights, optimizer parameter groups and pretrained loading are unchanged.
 """
 
 from __future__ import annotations
@@ -14,13 +15,24 @@ from collections.abc import Mapping
 from torch import nn
 
 from .allocation import ALLOCATIONS, VarianceAllocation
-from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, resolve_rho
+from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
 from .sketches import get_sketch
 from .variance import VarianceTracker, estimator_design, select_layers
 
-__all__ = ["patch_linear", "unpatch_linear", "find_linear"]
+__all__ = ["DEFAULT_EXCLUDE", "patch_linear", "unpatch_linear", "find_linear"]
 
 _HOOKS = "_sketchprop_hooks"
+
+#: Left exact unless ``exclude`` says otherwise: a language model's output layer. Its weight is tied
+#: to the input embedding in most language models (GPT-2, Llama, T5), so a sketched gradient there
+#: adds noise to every token's embedding, and its memory is the logits it produces, not its input.
+DEFAULT_EXCLUDE = r"(^|\.)lm_head(\.|$)"
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` (not a subclass: those may compute otherwise) or transformers' Conv1D."""
+    conv1d = conv1d_class()
+    return type(module) is nn.Linear or (conv1d is not None and type(module) is conv1d)
 
 
 def _compile(pattern: str | None, what: str) -> re.Pattern | None:
@@ -32,20 +44,38 @@ def _compile(pattern: str | None, what: str) -> re.Pattern | None:
         raise ValueError(f"{what} is not a valid regex: {pattern!r} ({err})") from None
 
 
-def find_linear(model: nn.Module, targets: str | None = None, exclude: str | None = None) -> list[str]:
-    """Qualified names of the ``nn.Linear`` modules of ``model`` that ``patch_linear`` would replace.
+def find_linear(model: nn.Module, targets: str | None = None,
+                exclude: str | None = DEFAULT_EXCLUDE) -> list[str]:
+    """Qualified names of the linear layers (``nn.Linear``, transformers' ``Conv1D``) of ``model``
+    that ``patch_linear`` would replace.
 
     A name is selected when ``targets`` (a regex, ``re.search``) matches it, or ``targets`` is None,
     and ``exclude`` does not match it. Modules already patched are not selected.
     """
+    return [name for name, mod in _matching(model, targets, exclude) if _is_linear(mod)]
+
+
+def _matching(model: nn.Module, targets: str | None, exclude: str | None):
     inc, exc = _compile(targets, "targets"), _compile(exclude, "exclude")
-    return [
-        name
-        for name, mod in model.named_modules()
-        if type(mod) is nn.Linear
-        and (inc is None or inc.search(name))
-        and not (exc is not None and exc.search(name))
-    ]
+    return [(name, mod) for name, mod in model.named_modules()
+            if (inc is None or inc.search(name)) and not (exc is not None and exc.search(name))]
+
+
+def _no_match(model: nn.Module, targets: str | None, exclude: str | None) -> str:
+    """Why nothing was selected: how many linear layers the model has, and the types of the
+    matched modules that hold weights of their own (a layer type patch_linear does not know)."""
+    n_linear = sum(_is_linear(m) for m in model.modules())
+    others: dict[str, int] = {}
+    for _, mod in _matching(model, targets, exclude):
+        if not _is_linear(mod) and any(True for _ in mod.parameters(recurse=False)):
+            others[type(mod).__name__] = others.get(type(mod).__name__, 0) + 1
+    message = (f"targets={targets!r} exclude={exclude!r} match no nn.Linear or Conv1D "
+               f"(the model has {n_linear})")
+    if others:
+        listed = ", ".join(f"{name} ({n})" for name, n in sorted(others.items()))
+        message += (f"; the modules they match with weights of their own are {listed}, which "
+                    f"patch_linear does not replace (it knows nn.Linear and transformers' Conv1D)")
+    return message
 
 
 def _mask_hook(context: SketchContext, forward):
@@ -71,7 +101,7 @@ def patch_linear(
     sketch: str = "gaussian",
     rho: float | Mapping[str, float] = 0.1,
     targets: str | None = None,
-    exclude: str | None = None,
+    exclude: str | None = DEFAULT_EXCLUDE,
     share_inputs: bool = True,
     skip_padding: bool = True,
     min_rows: int = DEFAULT_MIN_ROWS,
@@ -79,15 +109,20 @@ def patch_linear(
     track_variance=None,
     allocate: str = "uniform",
 ) -> list[str]:
-    """Replace ``nn.Linear`` modules of ``model`` in place by :class:`RandomizedLinear`.
+    """Replace the linear layers of ``model`` in place by :class:`RandomizedLinear`.
+
+    Linear layers are ``nn.Linear`` modules (exactly that type: a subclass may compute otherwise,
+    as ``nn.MultiheadAttention``'s output projection does) and transformers' ``Conv1D`` (GPT-2's;
+    its ``(in, out)`` weight is kept as it is, see :class:`RandomizedLinear`).
 
     Args:
         model: any ``nn.Module``; patched in place.
         sketch: a name in :data:`~sketchprop.SKETCHES`.
         rho: compression rate in (0, 1], or a mapping ``{regex: rho}`` (first match wins) for a rate per
             layer; every selected layer must match a key.
-        targets: regex on qualified module names (``re.search``); default: every ``nn.Linear``.
-        exclude: regex of names to leave alone (e.g. ``"classifier"``).
+        targets: regex on qualified module names (``re.search``); default: every linear layer.
+        exclude: regex of names to leave alone (e.g. ``"classifier"``); default
+            :data:`DEFAULT_EXCLUDE`, a language model's ``lm_head``. None excludes nothing.
         share_inputs: layers that read the same tensor (Q, K, V) share one sketch and one stored
             ``S^T X``, instead of storing ``3 * rho`` of their common input.
         skip_padding: rows where the model's ``attention_mask`` is 0 are left out of ``B``. Their
@@ -109,7 +144,8 @@ def patch_linear(
 
     Raises:
         ValueError: unknown sketch, ``rho`` outside (0, 1], invalid regex, a model already patched,
-            patterns that match no ``nn.Linear``, a ``track_variance`` that selects no replaced
+            patterns that match no linear layer (the message names the types of the matched
+            modules that hold weights, when they are of a type it does not know), a ``track_variance`` that selects no replaced
             layer (or names one that is not replaced), or an unknown ``allocate``. Nothing is
             changed when it raises.
     """
@@ -118,11 +154,7 @@ def patch_linear(
         raise ValueError("model is already patched; call unpatch_linear(model) first")
     names = find_linear(model, targets, exclude)
     if not names:
-        n_linear = sum(type(m) is nn.Linear for m in model.modules())
-        raise ValueError(
-            f"targets={targets!r} exclude={exclude!r} match no nn.Linear "
-            f"(the model has {n_linear})"
-        )
+        raise ValueError(_no_match(model, targets, exclude))
     rates = {name: resolve_rho(rho, name) for name in names}
     if int(min_rows) < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
@@ -157,8 +189,8 @@ def patch_linear(
 
 
 def unpatch_linear(model: nn.Module) -> list[str]:
-    """Put plain ``nn.Linear`` modules (same Parameters) back in place of every
-    :class:`RandomizedLinear` and remove the hooks ``patch_linear`` added. Returns the names."""
+    """Put the original layers (``nn.Linear`` or ``Conv1D``, same Parameters) back in place of
+    every :class:`RandomizedLinear` and remove the hooks ``patch_linear`` added. Returns the names."""
     names = [n for n, m in model.named_modules() if isinstance(m, RandomizedLinear)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
