@@ -12,7 +12,7 @@ import inspect
 import re
 from collections.abc import Mapping
 
-from torch import nn
+from torch import Tensor, nn
 
 from .allocation import ALLOCATIONS, VarianceAllocation
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
@@ -78,18 +78,35 @@ def _no_match(model: nn.Module, targets: str | None, exclude: str | None) -> str
     return message
 
 
-def _mask_hook(context: SketchContext, forward):
+#: Arguments of an encoder-decoder's forward that give the decoder's sequence length.
+_DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
+
+
+def _mask_hook(context: SketchContext, model: nn.Module):
+    """A forward pre-hook that hands the call's ``attention_mask`` to ``context``.
+
+    Rows are matched to the mask by shape. In an encoder-decoder (T5) the mask is the encoder's,
+    and a decoder sequence of the same length would be masked by it although its rows carry
+    gradient: such a call skips no rows (the weight gradient stays unbiased, it saves less).
+    """
     try:
-        signature = inspect.signature(forward)
+        signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
         signature = None
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
     def hook(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if mask is None and signature is not None and args:
+        arguments = kwargs
+        if signature is not None and args:
             try:
-                mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+                arguments = signature.bind_partial(*args, **kwargs).arguments
             except TypeError:
+                pass
+        mask = arguments.get("attention_mask")
+        if encoder_decoder and isinstance(mask, Tensor) and mask.dim() == 2:
+            decoder = (arguments.get(key) for key in _DECODER_INPUTS)
+            if any(isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == mask.shape[1]
+                   for t in decoder):
                 mask = None
         context.set_mask(mask)
 
@@ -126,9 +143,11 @@ def patch_linear(
         share_inputs: layers that read the same tensor (Q, K, V) share one sketch and one stored
             ``S^T X``, instead of storing ``3 * rho`` of their common input.
         skip_padding: rows where the model's ``attention_mask`` is 0 are left out of ``B``. Their
-            output gradient is exactly zero in encoder classification, so the estimate stays unbiased
-            and the whole row budget goes to real tokens. Do not use it where padding rows carry
-            gradient.
+            output gradient is exactly zero in encoder classification and in a causal LM padded on
+            the right with padding labels -100 (as HF's collators make them), so the estimate stays
+            unbiased and the whole row budget goes to real tokens. Do not use it where padding rows
+            carry gradient: a causal LM padded on the left predicts its first real token from a
+            padding row. In an encoder-decoder it skips the encoder's padding rows.
         min_rows: ``B_proj`` is at least this many rows (at most ``B``).
         seed: run seed; each layer's sketch stream is seeded by it and the layer's name.
         track_variance: layers whose gradient variance to record each step (see
@@ -145,9 +164,9 @@ def patch_linear(
     Raises:
         ValueError: unknown sketch, ``rho`` outside (0, 1], invalid regex, a model already patched,
             patterns that match no linear layer (the message names the types of the matched
-            modules that hold weights, when they are of a type it does not know), a ``track_variance`` that selects no replaced
-            layer (or names one that is not replaced), or an unknown ``allocate``. Nothing is
-            changed when it raises.
+            modules that hold weights of their own: a layer type it does not know), a
+            ``track_variance`` that selects no replaced layer (or names one that is not replaced),
+            or an unknown ``allocate``. Nothing is changed when it raises.
     """
     sketch_obj = get_sketch(sketch)
     if getattr(model, _HOOKS, None) is not None:
@@ -170,7 +189,7 @@ def patch_linear(
     context = SketchContext()
     hooks = []
     if skip_padding:
-        hooks.append(model.register_forward_pre_hook(_mask_hook(context, model.forward),
+        hooks.append(model.register_forward_pre_hook(_mask_hook(context, model),
                                                      with_kwargs=True))
     setattr(model, _HOOKS, hooks)
     for name in names:
