@@ -13,6 +13,7 @@ hub) is checked before the first heavy import.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -28,11 +29,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import glue, runs
-from .config import CONFIG_DIR, REPO_ROOT, Config, ConfigError, validate
+from .config import CONFIG_DIR, REPO_ROOT, AdapterConfig, Config, ConfigError, validate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["choose_setup", "main", "run", "run_files"]
+__all__ = ["add_adapter", "choose_setup", "main", "run", "run_files"]
 
 RunError = runs.RunError  # raised by run() as well as by the bookkeeping
 
@@ -95,12 +96,15 @@ def _hardware(device) -> str:
 
 
 def _check_sources(conf: Config) -> Path | None:
-    """Find the data and the model, or fail fast; switch the HF libraries to their caches when
-    the hub is needed but unreachable. Returns the local GLUE folder (None: the hub).
+    """Find the data, the model and peft (for an adapter), or fail fast; switch the HF libraries
+    to their caches when the hub is needed but unreachable. Returns the local GLUE folder (None:
+    the hub).
 
     Data: ``data.glue_dir`` / ``GLUE_DIR``; else the hub dataset; else, with the hub unreachable,
     the GLUE files shipped in ``data/glue`` (the small tasks), said in one line.
     """
+    if conf.adapter.name.value == "lora" and importlib.util.find_spec("peft") is None:
+        raise RunError("adapter=lora needs peft: pip install peft (make install puts it in .venv)")
     glue_dir = glue.resolve_glue_dir(conf.data.glue_dir)
     path = conf.model.name_or_path
     model_from_hub = path is not None and not Path(path).expanduser().is_dir()
@@ -211,6 +215,19 @@ def build_model(conf: Config, train_split):
     path = str(Path(conf.model.name_or_path).expanduser())
     tokenizer = AutoTokenizer.from_pretrained(path)
     return tokenizer, AutoModelForSequenceClassification.from_pretrained(path, **head)
+
+
+def add_adapter(model, adapter: AdapterConfig):
+    """``model`` with its adapter: for ``adapter=lora`` a peft LoRA model (the model's weights
+    frozen; the adapters and the new head, peft's ``modules_to_save`` for sequence classification,
+    train); for ``adapter=none`` the model itself."""
+    if adapter.name.value == "none":
+        return model
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    return get_peft_model(model, LoraConfig(
+        task_type=TaskType.SEQ_CLS, r=adapter.r, lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout, target_modules=list(adapter.target_modules)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +401,9 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         return None
     commit, dirty = _code_commit()
     threads = _threads(conf)
-    print(f"run: {conf.task.name}, {conf.model.name}, {conf.method.sketch.value}"
+    lora = conf.adapter if conf.adapter.name.value == "lora" else None
+    print(f"run: {conf.task.name}, {conf.model.name}{f' with LoRA r={lora.r}' if lora else ''}, "
+          f"{conf.method.sketch.value}"
           f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
           f"seed {conf.train.seed}, data from "
           f"{'the hub ' + glue.HUB_DATASET if glue_dir is None else glue_dir}, {threads} torch "
@@ -438,6 +457,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         # Non-reentrant: saved tensors go through saved_tensors_hooks, so the saved-activation
         # count below sees what checkpointing keeps.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_adapter(model, conf.adapter)
     patched = []
     if sketch_name != "exact":
         m = conf.method
@@ -445,7 +465,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
                                exclude=m.exclude, share_inputs=m.share_inputs,
                                skip_padding=m.skip_padding, min_rows=m.min_rows, seed=tc.seed,
                                track_variance=m.track_variance, allocate=m.allocate.value)
-    log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
+    log.info("%s: %d linear layers patched with %s, rho=%s", conf.model.name, len(patched),
              sketch_name, conf.method.rho)
 
     wandb_run = None
