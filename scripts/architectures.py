@@ -292,6 +292,7 @@ def main(argv=None) -> None:
     bu.add_threads_arg(p)
     args = p.parse_args(argv)
     dev = bu.setup_device("cpu", args.threads)
+    env = bu.environment(dev)
     size = QUICK if args.quick else FULL
     results = []
     for arch in bu.parse_list(args.architectures):
@@ -299,7 +300,7 @@ def main(argv=None) -> None:
         print(f"{arch}: {row.patched} patched, saved {row.saved_ratio:.3f} of exact, round trip "
               f"{'exact' if row.round_trip_exact else 'NOT exact'}", flush=True)
         results.append(asdict(row))
-    payload = {"environment": bu.environment(dev), "args": vars(args), "size": asdict(size),
+    payload = {"environment": env, "args": vars(args), "size": asdict(size),
                "results": results}
     bu.write_outputs("architectures" + ("_quick" if args.quick else ""), payload, tables(payload),
                      args.out_dir)
