@@ -485,6 +485,15 @@ def test_identity_covers_every_setting_that_changes_the_result(tmp_path, glue_di
     assert a.ident != b.ident and a.index != b.index and a.checkpoints != b.checkpoints
 
 
+@pytest.mark.parametrize("change", ["adapter.r=4", "adapter.alpha=8", "adapter.dropout=0.1",
+                                    "adapter.target_modules=[query]"])
+def test_identity_covers_every_adapter_key(tmp_path, glue_dir, change):
+    base = overrides(tmp_path, glue_dir, "adapter=lora")
+    a = run_files(validate(compose(base)), compose(base), glue_dir)
+    b = run_files(validate(compose([*base, change])), compose([*base, change]), glue_dir)
+    assert a.ident != b.ident and a.index != b.index
+
+
 @pytest.mark.parametrize("change", [
     "train.logging_steps=7", "train.checkpoint=false", "train.resume=false", "threads=1",
     "logger=wandb", "experiment_name=default", "results_dir=/elsewhere", "overwrite=true"])
