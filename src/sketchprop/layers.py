@@ -116,9 +116,9 @@ class RandomizedLinear(nn.Linear):
     saved tensor, see :mod:`sketchprop.functional`), so the weight gradient stays unbiased; the
     generator simply advances twice per step.
 
-    A layer made :meth:`from_linear` a transformers ``Conv1D`` keeps that layer's ``(in, out)``
-    weight (``fan_in_fan_out``, as peft names it) and computes with its transpose, a view: the
-    Parameter, its state_dict key and any weight tied to it are unchanged.
+    A layer made from transformers' ``Conv1D`` (by :meth:`from_linear`) keeps that layer's
+    ``(in, out)`` weight (``fan_in_fan_out``, as peft names it) and computes with its transpose, a
+    view: the Parameter, its state_dict key and any weight tied to it are unchanged.
 
     Args:
         sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.

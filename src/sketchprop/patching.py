@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import Counter
 from collections.abc import Mapping
 
 from torch import Tensor, nn
@@ -30,7 +31,7 @@ DEFAULT_EXCLUDE = r"(^|\.)lm_head(\.|$)"
 
 
 def _is_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (not a subclass: those may compute otherwise) or transformers' Conv1D."""
+    """An ``nn.Linear`` (not a subclass: see :func:`patch_linear`) or transformers' Conv1D."""
     conv1d = conv1d_class()
     return type(module) is nn.Linear or (conv1d is not None and type(module) is conv1d)
 
@@ -65,10 +66,8 @@ def _no_match(model: nn.Module, targets: str | None, exclude: str | None) -> str
     """Why nothing was selected: how many linear layers the model has, and the types of the
     matched modules that hold weights of their own (a layer type patch_linear does not know)."""
     n_linear = sum(_is_linear(m) for m in model.modules())
-    others: dict[str, int] = {}
-    for _, mod in _matching(model, targets, exclude):
-        if not _is_linear(mod) and any(True for _ in mod.parameters(recurse=False)):
-            others[type(mod).__name__] = others.get(type(mod).__name__, 0) + 1
+    others = Counter(type(mod).__name__ for _, mod in _matching(model, targets, exclude)
+                     if not _is_linear(mod) and next(mod.parameters(recurse=False), None) is not None)
     message = (f"targets={targets!r} exclude={exclude!r} match no nn.Linear or Conv1D "
                f"(the model has {n_linear})")
     if others:
@@ -128,9 +127,10 @@ def patch_linear(
 ) -> list[str]:
     """Replace the linear layers of ``model`` in place by :class:`RandomizedLinear`.
 
-    Linear layers are ``nn.Linear`` modules (exactly that type: a subclass may compute otherwise,
-    as ``nn.MultiheadAttention``'s output projection does) and transformers' ``Conv1D`` (GPT-2's;
-    its ``(in, out)`` weight is kept as it is, see :class:`RandomizedLinear`).
+    Linear layers are ``nn.Linear`` modules (exactly that type: a subclass may be used otherwise,
+    as ``nn.MultiheadAttention`` reads its output projection's weight without calling it) and
+    transformers' ``Conv1D`` (GPT-2's; its ``(in, out)`` weight is kept as it is, see
+    :class:`RandomizedLinear`).
 
     Args:
         model: any ``nn.Module``; patched in place.
