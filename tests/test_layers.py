@@ -1,4 +1,5 @@
-"""Layer level: RandomizedLinear and the sketches it uses."""
+"""Layer level: RandomizedLinear and the sketches it uses, made from an nn.Linear and from
+transformers' Conv1D (GPT-2's linear layer, weight stored (in, out))."""
 
 import dataclasses
 import math
@@ -9,6 +10,7 @@ import pytest
 import torch
 from scipy import stats
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from sketchprop import SKETCHES, RandomizedLinear
 from sketchprop.functional import sketched_linear
@@ -22,24 +24,36 @@ SEEDED = [name for name in RANDOM if not SKETCHES[name].data_dependent]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_layer(sketch, rho=0.25, n_in=8, n_out=6, **kw):
+KINDS = ["linear", "conv1d"]
+
+
+def plain_layer(kind, n_in=8, n_out=6):
+    return nn.Linear(n_in, n_out) if kind == "linear" else Conv1D(n_out, n_in)
+
+
+def make_layer(sketch, rho=0.25, n_in=8, n_out=6, kind="linear", **kw):
     torch.manual_seed(0)
-    return RandomizedLinear.from_linear(nn.Linear(n_in, n_out), sketch=sketch, rho=rho, **kw)
+    return RandomizedLinear.from_linear(plain_layer(kind, n_in, n_out), sketch=sketch, rho=rho,
+                                        **kw)
 
 
 def grads(layer, x, g):
-    """(dX, dW, db) of sum(layer(x) * g)."""
+    """(dX, dW, db) of sum(layer(x) * g); dW as (out, in), whichever way the layer stores it."""
     x = x.detach().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     (layer(x) * g).sum().backward()
-    return x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
+    dw = layer.weight.grad
+    if isinstance(layer, Conv1D) or getattr(layer, "fan_in_fan_out", False):
+        dw = dw.T
+    return x.grad, dw.clone(), layer.bias.grad.clone()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sketch", list(SKETCHES))
 @pytest.mark.parametrize("shape", [(37, 8), (3, 11, 8)])
-def test_forward_dx_db_exact(sketch, shape):
-    layer = make_layer(sketch, min_rows=1)
-    ref = nn.Linear(8, 6)
+def test_forward_dx_db_exact(sketch, shape, kind):
+    layer = make_layer(sketch, min_rows=1, kind=kind)
+    ref = plain_layer(kind)
     ref.load_state_dict(layer.state_dict())
     x = torch.randn(shape)
     g = torch.randn(*shape[:-1], 6)
@@ -112,8 +126,8 @@ def unbiased_data():
     return x, dy
 
 
-def weight_draws(sketch, x, g, n):
-    layer = make_layer(sketch, rho=0.25, seed=3)  # 16 of 64 rows
+def weight_draws(sketch, x, g, n, kind="linear"):
+    layer = make_layer(sketch, rho=0.25, seed=3, kind=kind)  # 16 of 64 rows
     return torch.stack([grads(layer, x, g)[1] for _ in range(n)]).double().reshape(n, -1)
 
 
@@ -127,14 +141,15 @@ def hotelling(draws, target):
     return n * (dev @ torch.linalg.solve(cov, dev)).item(), cov
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sketch", RANDOM)
-def test_weight_gradient_unbiased(sketch):
+def test_weight_gradient_unbiased(sketch, kind):
     x, g = unbiased_data()
     exact = (g.T @ x).double().reshape(-1)
     n, p = N_DRAWS, exact.numel()
     f_bound = stats.f.isf(FALSE_ALARM, p, n - p)
     bound = f_bound * p * (n - 1) / (n - p)
-    t2, cov = hotelling(weight_draws(SKETCHES[sketch], x, g, n), exact)
+    t2, cov = hotelling(weight_draws(SKETCHES[sketch], x, g, n, kind), exact)
     assert t2 < bound, f"{sketch}: T^2 = {t2:.1f}, bound {bound:.1f}"
 
     # Power against a 5% scale error, from this kind's covariance; (n - p - 2) / (n - 1) undoes
@@ -145,7 +160,7 @@ def test_weight_gradient_unbiased(sketch):
     assert power >= MIN_POWER, f"{sketch}: power {power:.4f} against a 5% scale error"
 
     biased = Scaled(base=SKETCHES[sketch], factor=math.sqrt(SCALE_ERROR))
-    t2_biased, _ = hotelling(weight_draws(biased, x, g, n), exact)
+    t2_biased, _ = hotelling(weight_draws(biased, x, g, n, kind), exact)
     assert t2_biased > bound, f"{sketch}: the 5% control passes, T^2 = {t2_biased:.1f}"
 
 
@@ -202,11 +217,12 @@ def test_same_run_seed_same_stream_and_global_rng_untouched():
                                                        x, g)[1])
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sketch", list(SKETCHES))
 @pytest.mark.parametrize("rho", [0.5, 0.2, 0.1])
-def test_saved_bytes_scale_with_rho(sketch, rho):
+def test_saved_bytes_scale_with_rho(sketch, rho, kind):
     b, n_in = 512, 64
-    layer = make_layer(sketch, rho=rho, n_in=n_in, n_out=32)
+    layer = make_layer(sketch, rho=rho, n_in=n_in, n_out=32, kind=kind)
     x = torch.randn(4, b // 4, n_in)
     with SavedTensorMeter(layer) as meter:
         layer(x).sum().backward()
@@ -219,9 +235,10 @@ def test_saved_bytes_scale_with_rho(sketch, rho):
     assert meter.bytes == expect
 
 
-def test_input_not_kept_alive():
+@pytest.mark.parametrize("kind", KINDS)
+def test_input_not_kept_alive(kind):
     leaf = torch.randn(64, 8, requires_grad=True)
-    for module, alive in [(make_layer("gaussian"), False), (nn.Linear(8, 6), True)]:
+    for module, alive in [(make_layer("gaussian", kind=kind), False), (plain_layer(kind), True)]:
         x = leaf * 2  # MulBackward with a scalar keeps no reference to its output
         ref = weakref.ref(x)
         y = module(x)
@@ -230,8 +247,9 @@ def test_input_not_kept_alive():
         y.sum().backward()
 
 
-def test_frozen_weight_stores_nothing_frozen_input_no_dx():
-    layer = make_layer("gaussian")
+@pytest.mark.parametrize("kind", KINDS)
+def test_frozen_weight_stores_nothing_frozen_input_no_dx(kind):
+    layer = make_layer("gaussian", kind=kind)
     layer.weight.requires_grad_(False)
     layer.bias.requires_grad_(False)
     x = torch.randn(64, 8, requires_grad=True)
@@ -241,7 +259,7 @@ def test_frozen_weight_stores_nothing_frozen_input_no_dx():
     y.sum().backward()
     assert x.grad is not None and layer.weight.grad is None
 
-    layer = make_layer("gaussian")
+    layer = make_layer("gaussian", kind=kind)
     x = torch.randn(64, 8)  # no grad: no dX, still a weight gradient
     layer(x).sum().backward()
     assert layer.weight.grad is not None and x.grad is None
@@ -258,11 +276,12 @@ def test_fewer_rows_than_min_rows_is_exact():
     assert num_proj_rows(100, 0.01, 3) == 3
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sketch", ["exact", "gaussian", "dct", "blocksrht", "importance"])
-def test_autocast(dtype, sketch):
-    layer = make_layer(sketch, rho=0.5, n_in=16, n_out=8, min_rows=1, seed=4)
-    ref = nn.Linear(16, 8)
+def test_autocast(dtype, sketch, kind):
+    layer = make_layer(sketch, rho=0.5, n_in=16, n_out=8, min_rows=1, seed=4, kind=kind)
+    ref = plain_layer(kind, 16, 8)
     ref.load_state_dict(layer.state_dict())
     x, g = torch.randn(2, 32, 16), torch.randn(2, 32, 8)
     with torch.autocast("cpu", dtype=dtype):
@@ -274,7 +293,7 @@ def test_autocast(dtype, sketch):
     # The same sketches in float32 (a twin with the same seed stream). Under autocast X, dY, S^T X,
     # S^T dY and dW are each rounded to the 16-bit type, a relative error of at most eps/2 each;
     # as random errors they add to about 0.6 eps (measured). The sketch of another seed is O(1) away.
-    twin = make_layer(sketch, rho=0.5, n_in=16, n_out=8, min_rows=1, seed=4)
+    twin = make_layer(sketch, rho=0.5, n_in=16, n_out=8, min_rows=1, seed=4, kind=kind)
     (twin(x) * g).sum().backward()
     err = (layer.weight.grad - twin.weight.grad).norm() / twin.weight.grad.norm()
     assert err < 2 * torch.finfo(dtype).eps, err
@@ -291,9 +310,20 @@ def test_unknown_sketch_raises():
         make_layer("gausian")
 
 
-def test_extra_repr_and_shared_parameters():
-    lin = nn.Linear(8, 6)
+@pytest.mark.parametrize("kind", KINDS)
+def test_extra_repr_shared_parameters_and_back(kind):
+    lin = plain_layer(kind)
     layer = RandomizedLinear.from_linear(lin, sketch="dct", rho=0.2)
     assert layer.weight is lin.weight and layer.bias is lin.bias
     assert "sketch=dct" in repr(layer) and "rho=0.2" in repr(layer)
     assert list(layer.state_dict()) == list(lin.state_dict())
+    assert (layer.in_features, layer.out_features) == (8, 6)
+    back = layer.to_linear()
+    assert type(back) is type(lin) and back.weight is lin.weight and back.bias is lin.bias
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(back(x), lin(x), rtol=0, atol=0)
+
+
+def test_other_layer_types_are_refused():
+    with pytest.raises(TypeError, match="Conv1d"):
+        RandomizedLinear.from_linear(nn.Conv1d(8, 6, 1))

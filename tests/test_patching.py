@@ -293,3 +293,173 @@ def test_meter_counts_a_freed_storage_whose_address_is_reused():
         ys = [x.exp() for _ in range(3)]
     assert meter.count == kept.count == 3 and meter.bytes == kept.bytes == 3 * 4000
     assert len(ys) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 (transformers' Conv1D, a causal LM) and T5 (an encoder-decoder)
+
+GPT2_LAYERS = [f"transformer.h.{i}.{s}" for i in range(2)
+               for s in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+
+def tiny_gpt2(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=64, n_positions=40, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_batch(b=4, length=16, seed=0):
+    """Padded on the right, padding labels -100, as DataCollatorForLanguageModeling makes them."""
+    data = batch(b, length, seed)
+    data["labels"] = data["input_ids"].masked_fill(data["attention_mask"] == 0, -100)
+    return data
+
+
+def test_gpt2_conv1d_layers_patched_lm_head_left_exact_and_tied():
+    from transformers.pytorch_utils import Conv1D
+
+    model = tiny_gpt2()
+    keys = list(model.state_dict())
+    data = lm_batch()
+    before, grads_before = logits_and_grads(model, data)
+    assert patch_linear(model, "blocksrht", 0.1) == GPT2_LAYERS
+    assert type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert list(model.state_dict()) == keys
+    patched, _ = logits_and_grads(model, data)
+    torch.testing.assert_close(patched, before, rtol=0, atol=0)
+    assert unpatch_linear(model) == GPT2_LAYERS
+    assert all(type(model.get_submodule(n)) is Conv1D for n in GPT2_LAYERS)
+    after, grads_after = logits_and_grads(model, data)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    for name, grad in grads_before.items():
+        torch.testing.assert_close(grads_after[name], grad, rtol=0, atol=0, msg=name)
+    assert list(model.state_dict()) == keys
+
+
+def test_gpt2_padding_rows_get_zero_output_gradient():
+    """The premise of skip_padding in a causal LM padded on the right, padding labels -100."""
+    model = tiny_gpt2()
+    data = lm_batch()
+    outs = []
+
+    def keep(module, args, out):
+        out.retain_grad()
+        outs.append(out)
+
+    for name in GPT2_LAYERS:
+        model.get_submodule(name).register_forward_hook(keep)
+    model(**data).loss.backward()
+    pad = data["attention_mask"] == 0
+    assert pad.any() and len(outs) == len(GPT2_LAYERS)
+    for out in outs:
+        assert torch.all(out.grad[pad] == 0)
+        assert out.grad[~pad].abs().sum() > 0
+
+
+def test_gpt2_skip_padding_exact_sketch_gives_exact_gradient_and_fewer_rows():
+    data = lm_batch()
+    ref = tiny_gpt2()
+    ref(**data).loss.backward()
+    model = tiny_gpt2()
+    patch_linear(model, "exact", 1.0, skip_padding=True)
+    model(**data).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n, rtol=1e-5, atol=1e-6)
+    real = int(data["attention_mask"].sum())  # 34 of 64 rows
+    for name, stored in _bytes_by_layer(model, data).items():
+        # its input's real rows, and their int64 indices (one tensor that every layer saves)
+        assert stored == sorted([real * model.get_submodule(name).in_features * 4, real * 8]), name
+
+
+def _layer_records(model, data):
+    """``(nbytes, names)`` of each storage the RandomizedLinear layers save in one training
+    forward, with the names of the layers that save it (several for a shared one)."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, RandomizedLinear)}
+    with SavedTensorMeter(model) as meter:
+        hooks = [h for n, m in layers.items() for h in (
+            m.register_forward_pre_hook(lambda *a, n=n: setattr(meter, "label", n)),
+            m.register_forward_hook(lambda *a: setattr(meter, "label", None)))]
+        loss = model(**data).loss
+    for h in hooks:
+        h.remove()
+    loss.backward()
+    return [(nbytes, labels - {None}) for nbytes, labels in meter.records if labels - {None}]
+
+
+def _bytes_by_layer(model, data):
+    """The sizes of the storages each layer saves, seeds (8 bytes) left out, by layer name."""
+    records = _layer_records(model, data)
+    names = [n for n, m in model.named_modules() if isinstance(m, RandomizedLinear)]
+    return {n: sorted(nbytes for nbytes, labels in records if n in labels and nbytes > 8)
+            for n in names}
+
+
+def test_gpt2_share_inputs_has_nothing_to_share():
+    """GPT-2's c_attn computes Q, K and V as one layer, and no two of its linear layers read one
+    tensor: with share_inputs every layer still stores a sketch of its own."""
+    model = tiny_gpt2()
+    patch_linear(model, "blocksrht", 0.5, share_inputs=True)
+    data = lm_batch(length=32)
+    real = int(data["attention_mask"].sum())
+    shared = [(nbytes, labels) for nbytes, labels in _layer_records(model, data)
+              if len(labels) > 1]
+    assert shared == [(real * 8, set(GPT2_LAYERS))]  # only the real rows' indices
+    for name, sizes in _bytes_by_layer(model, data).items():
+        sketch = math.ceil(0.5 * real) * model.get_submodule(name).in_features * 4
+        assert sizes == sorted([sketch, real * 8]), name
+
+
+def test_roberta_share_inputs_shares_qkv():
+    """The control for the test above: in RoBERTa, Q, K and V share one stored sketch."""
+    model = tiny_roberta()
+    patch_linear(model, "blocksrht", 0.5, share_inputs=True, skip_padding=False)
+    shared = [labels for _, labels in _layer_records(model, batch(length=32)) if len(labels) > 1]
+    assert len(shared) == 4  # per encoder layer, the sketch and its seed
+    assert {frozenset(labels) for labels in shared} == {
+        frozenset(f"roberta.encoder.layer.{i}.attention.self.{s}" for s in ("query", "key", "value"))
+        for i in range(2)}
+
+
+def tiny_t5(seed=0):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=1)
+    return T5ForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize("decoder_length", [16, 9])
+def test_t5_skip_padding_exact_sketch_gives_exact_gradient(decoder_length):
+    """The encoder's mask matches rows by shape: a decoder sequence as long as the encoder's must
+    not be masked by it (16), one of another length is not (9)."""
+    data = batch(length=16)
+    data["labels"] = torch.randint(3, 64, (4, decoder_length), generator=torch.Generator()
+                                   .manual_seed(1))
+    ref = tiny_t5()
+    ref(**data).loss.backward()
+    model = tiny_t5()
+    assert len(patch_linear(model, "exact", 1.0, skip_padding=True)) == 32  # lm_head left exact
+    with SavedTensorMeter(model) as meter:
+        loss = model(**data).loss
+    loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n, rtol=1e-5, atol=1e-6)
+    plain = tiny_t5()
+    patch_linear(plain, "exact", 1.0, skip_padding=False)
+    if decoder_length == 16:
+        assert meter.bytes == _saved_bytes(plain, data)
+    else:  # the encoder's padding rows are skipped
+        assert meter.bytes < _saved_bytes(plain, data)
+
+
+def test_no_match_names_the_types_it_found():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Conv1d(4, 4, 1))
+    with pytest.raises(ValueError, match=r"match no nn.Linear or Conv1D \(the model has 0\); .*"
+                                         r"Conv1d \(1\), Embedding \(1\)"):
+        patch_linear(model, "gaussian", 0.1)

@@ -338,6 +338,38 @@ def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
     assert saved["variance"] == records
 
 
+def test_lora_adapter_trains_the_adapters_and_sketches_their_lora_a(tmp_path, glue_dir):
+    """adapter=lora: the model's weights stay as they were, the adapters and the head train, and
+    the sketch goes to the adapters' down-projections only, which then store less than exact
+    LoRA's."""
+    from sketchprop import RandomizedLinear
+
+    class Keep(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.model = model
+            self.before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    keep = Keep()
+    result = run(compose(overrides(tmp_path, glue_dir, "adapter=lora", "method=blocksrht")),
+                 output_dir=tmp_path / "run", callbacks=[keep])
+    check_result(result, "cola", ["matthews"])
+    assert result["identity"]["adapter"] == {"name": "lora", "r": 8, "alpha": 16.0,
+                                             "dropout": 0.0, "target_modules": ["query", "value"]}
+    assert result["identity"]["method"]["targets"] == "lora_A"
+    patched = sorted(n for n, m in keep.model.named_modules() if isinstance(m, RandomizedLinear))
+    assert result["patched_layers"] == len(patched) == 4
+    assert all(n.endswith(("query.lora_A.default", "value.lora_A.default")) for n in patched)
+    after = keep.model.state_dict()
+    changed = {k for k, v in keep.before.items() if not torch.equal(v, after[k])}
+    assert changed and all("lora_" in k or "classifier.modules_to_save" in k for k in changed)
+    assert any("lora_A" in k for k in changed) and any("modules_to_save" in k for k in changed)
+
+    exact = run(compose(overrides(tmp_path, glue_dir, "adapter=lora", "method=exact")),
+                output_dir=tmp_path / "exact")
+    assert exact["patched_layers"] == 0
+    assert result["saved_activation_bytes"] < exact["saved_activation_bytes"]
+
+
 class Interrupt(Exception):
     pass
 
@@ -445,12 +477,21 @@ def test_a_short_run_never_stands_in_for_the_full_run(tmp_path, glue_dir, capsys
     "train.eval_batch_size=4", "data.max_train_samples=40", "data.max_eval_samples=8",
     "method.rho=0.2", "method.min_rows=4", "method.targets=query", "scheme=paper",
     "model.random.hidden_size=16", "train.gradient_checkpointing=true", "train.seed=2",
-    "task=stsb", "method.allocate=variance", "method=importance"])
+    "task=stsb", "method.allocate=variance", "method=importance", "adapter=lora"])
 def test_identity_covers_every_setting_that_changes_the_result(tmp_path, glue_dir, change):
     base = overrides(tmp_path, glue_dir)
     a = run_files(validate(compose(base)), compose(base), glue_dir)
     b = run_files(validate(compose([*base, change])), compose([*base, change]), glue_dir)
     assert a.ident != b.ident and a.index != b.index and a.checkpoints != b.checkpoints
+
+
+@pytest.mark.parametrize("change", ["adapter.r=4", "adapter.alpha=8", "adapter.dropout=0.1",
+                                    "adapter.target_modules=[query]"])
+def test_identity_covers_every_adapter_key(tmp_path, glue_dir, change):
+    base = overrides(tmp_path, glue_dir, "adapter=lora")
+    a = run_files(validate(compose(base)), compose(base), glue_dir)
+    b = run_files(validate(compose([*base, change])), compose([*base, change]), glue_dir)
+    assert a.ident != b.ident and a.index != b.index
 
 
 @pytest.mark.parametrize("change", [

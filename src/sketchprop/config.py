@@ -7,8 +7,9 @@ time). Ranges (``rho`` in (0, 1], positive sizes, ...) are checked by each schem
 ``__post_init__``, which OmegaConf runs only when it builds the objects: :func:`validate` does that,
 and the training entry point calls it before anything else.
 
-Groups (files under ``configs/``): task, model, method, train, logger, experiment (``# @package
-_global_`` overrides of the root :class:`Config`, so they may set any key), hydra/launcher.
+Groups (files under ``configs/``): task, model, method, adapter, train, logger, experiment
+(``# @package _global_`` overrides of the root :class:`Config`, so they may set any key),
+hydra/launcher.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .sketches import SKETCHES
 __all__ = [
     "CONFIG_DIR",
     "REPO_ROOT",
+    "AdapterConfig",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -61,6 +63,7 @@ Metric = enum.Enum("Metric", {m: m for m in ("matthews", "accuracy", "f1", "pear
 Precision = enum.Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16")}, type=str)
 Allocate = enum.Enum("Allocate", {a: a for a in ALLOCATIONS}, type=str)
 WandbMode = enum.Enum("WandbMode", {m: m for m in ("offline", "online", "disabled")}, type=str)
+AdapterName = enum.Enum("AdapterName", {a: a for a in ("none", "lora")}, type=str)
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -156,6 +159,34 @@ class MethodConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """Parameter-efficient fine-tuning. ``none``: every weight trains. ``lora``: peft LoRA of rank
+    ``r`` on the modules named ``target_modules``; the model's weights are frozen, the adapters and
+    the new head train. The keys other than ``name`` belong to ``lora`` and stay null for ``none``."""
+
+    name: AdapterName = MISSING
+    r: int | None = None
+    alpha: float | None = None  # the adapter's output is scaled by alpha / r
+    dropout: float | None = None  # LoRA dropout on the adapter's input
+    target_modules: list[str] | None = None  # module names (peft matches them as suffixes)
+
+    def __post_init__(self):
+        keys = ("r", "alpha", "dropout", "target_modules")
+        if self.name == AdapterName.none:
+            for key in keys:
+                _check(getattr(self, key) is None, f"adapter.{key}", getattr(self, key),
+                       "null with adapter=none (set it with adapter=lora)")
+            return
+        _check(self.r is not None and self.r >= 1, "adapter.r", self.r, "an integer >= 1")
+        _check(self.alpha is not None and self.alpha > 0, "adapter.alpha", self.alpha,
+               "a number > 0")
+        _check(self.dropout is not None and 0.0 <= self.dropout < 1.0, "adapter.dropout",
+               self.dropout, "a probability in [0, 1)")
+        _check(bool(self.target_modules), "adapter.target_modules", self.target_modules,
+               "a list of module names, e.g. [query, value]")
+
+
+@dataclass
 class TrainConfig:
     """The optimisation recipe; batch size and learning rate default to the task's."""
 
@@ -224,6 +255,7 @@ class Config:
     task: TaskConfig = MISSING
     model: ModelConfig = MISSING
     method: MethodConfig = MISSING
+    adapter: AdapterConfig = MISSING
     train: TrainConfig = MISSING
     logger: LoggerConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
@@ -263,7 +295,8 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="schema", name="config", node=Config)
     for group, node in [("task", TaskConfig), ("model", ModelConfig), ("method", MethodConfig),
-                        ("train", TrainConfig), ("logger", LoggerConfig)]:
+                        ("adapter", AdapterConfig), ("train", TrainConfig),
+                        ("logger", LoggerConfig)]:
         cs.store(group="schema", name=group, node=node)
     OmegaConf.register_new_resolver("sp.repo", lambda: str(REPO_ROOT), replace=True)
     OmegaConf.register_new_resolver("sp.package_model", _package_model_path, replace=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import sys
 import weakref
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -16,7 +17,8 @@ from torch import Tensor, nn
 from .functional import SketchedLinearFunction, seed_tensor
 from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
 
-__all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "resolve_rho"]
+__all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "conv1d_class",
+           "resolve_rho"]
 
 # Below this many rows a sketch saves next to nothing and adds the most variance (the classifier head
 # sees one row per example), so such layers keep their input exactly. The authors clamp at 3 rows.
@@ -32,6 +34,13 @@ def check_rho(rho) -> float:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"rho must be in (0, 1], got {rho!r}")
     return value
+
+
+def conv1d_class() -> type | None:
+    """transformers' ``Conv1D`` (GPT-2's linear layer, weight stored ``(in, out)``), or None when
+    transformers is not loaded. A model that holds a ``Conv1D`` has loaded it; sketchprop does not
+    import transformers (seconds) for the models that hold none."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 
 def _stable_seed(*parts) -> int:
@@ -107,6 +116,10 @@ class RandomizedLinear(nn.Linear):
     saved tensor, see :mod:`sketchprop.functional`), so the weight gradient stays unbiased; the
     generator simply advances twice per step.
 
+    A layer made from transformers' ``Conv1D`` (by :meth:`from_linear`) keeps that layer's
+    ``(in, out)`` weight (``fan_in_fan_out``, as peft names it) and computes with its transpose, a
+    view: the Parameter, its state_dict key and any weight tied to it are unchanged.
+
     Args:
         sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.
         rho: compression rate in (0, 1].
@@ -152,30 +165,44 @@ class RandomizedLinear(nn.Linear):
         self.grad_norms = GradNormEstimate() if self.sketch.data_dependent else None
         self._gen: torch.Generator | None = None
         self.calls = 0
+        self.fan_in_fan_out = False  # True: ``weight`` is stored (in, out), as transformers' Conv1D
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, sketch: str | Sketch = "gaussian", rho: float = 0.1,
+    def from_linear(cls, linear: nn.Module, sketch: str | Sketch = "gaussian", rho: float = 0.1,
                     **kwargs) -> RandomizedLinear:
-        """Wrap ``linear``, reusing its ``weight`` and ``bias`` Parameters (same state_dict keys)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected nn.Linear, got {type(linear).__name__}")
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device="meta", sketch=sketch, rho=rho, **kwargs)
-        new.weight = linear.weight
-        new.bias = linear.bias
+        """Wrap ``linear`` (an ``nn.Linear`` or transformers' ``Conv1D``), reusing its ``weight``
+        and ``bias`` Parameters (same state_dict keys, ties kept)."""
+        conv1d = conv1d_class()
+        if conv1d is not None and isinstance(linear, conv1d):
+            n_in, n_out, fan_in_fan_out = linear.nx, linear.nf, True
+        elif isinstance(linear, nn.Linear):
+            n_in, n_out, fan_in_fan_out = linear.in_features, linear.out_features, False
+        else:
+            raise TypeError(f"expected nn.Linear or transformers' Conv1D, got "
+                            f"{type(linear).__name__}")
+        new = cls(n_in, n_out, bias=linear.bias is not None, device="meta", sketch=sketch, rho=rho,
+                  **kwargs)
+        new.weight, new.bias = linear.weight, linear.bias
+        new.fan_in_fan_out = fan_in_fan_out
         new.train(linear.training)
         return new
 
-    def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` holding the same Parameters."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        device="meta")
+    def to_linear(self) -> nn.Module:
+        """The layer this one replaced, holding the same Parameters: an ``nn.Linear``, or
+        transformers' ``Conv1D`` for a ``fan_in_fan_out`` layer."""
+        if self.fan_in_fan_out:
+            with torch.device("meta"):  # its own weight is replaced at once: allocate nothing
+                lin = conv1d_class()(self.out_features, self.in_features)
+        else:
+            lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                            device="meta")
         lin.weight, lin.bias = self.weight, self.bias
         lin.train(self.training)
         return lin
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, sketch={self.sketch.name}, rho={self.rho:g}"
+        fan = ", fan_in_fan_out=True" if self.fan_in_fan_out else ""
+        return f"{super().extra_repr()}{fan}, sketch={self.sketch.name}, rho={self.rho:g}"
 
     def num_rows(self, n: int) -> tuple[int, int, bool]:
         """``(k, k_uniform, allocated)`` for a call covering ``n`` rows: the rows sketched, the rows
@@ -198,9 +225,12 @@ class RandomizedLinear(nn.Linear):
         return int(torch.randint(0, 2**62, (), generator=self._gen))
 
     def forward(self, x: Tensor) -> Tensor:
+        # (out, in) as F.linear wants it; for a Conv1D weight a transposed view, through which the
+        # gradient reaches the (in, out) Parameter.
+        weight = self.weight.T if self.fan_in_fan_out else self.weight
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)
-        weight, bias, inp = self.weight, self.bias, x
+            return F.linear(x, weight, self.bias)
+        bias, inp = self.bias, x
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
         if autocast:

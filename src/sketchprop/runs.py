@@ -2,7 +2,7 @@
 checkpoint it continues from, and what a sweep reports when some of its jobs fail.
 
 **Identity.** A run is identified by everything that can change its result (:func:`identity`):
-the task, the model, the method with all its keys, the training recipe, the data (its source, the
+the task, the model, the method with all its keys, the adapter, the training recipe, the data (its source, the
 content hash of its files, its limits), the world size and the seed. Paths, the logger, logging and
 checkpoint settings and the thread count are left out: they change where things go, or the
 floating-point rounding as the hardware does, not the run. The result file is named
@@ -77,7 +77,8 @@ NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume")
 
 #: Settings added after runs were filed, at the value that reproduces the runs made before they
 #: existed. At that value a setting is left out of the identity, so adding one renames nothing.
-NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1}
+NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1,
+           "adapter": {"name": "none"}}
 
 #: Files that a complete HF Trainer checkpoint holds; ``trainer_state.json`` is written last.
 CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
@@ -126,11 +127,13 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
     ``config``), its :func:`data_source` and the number of processes.
 
     A model from a local folder is known by ``model.name`` (its path is where it lies, not what it
-    is); a hub model also by its id. The exact method is unpatched, so only its name counts.
+    is); a hub model also by its id. The exact method is unpatched, so only its name counts. An
+    adapter is known by its keys that are set (``none`` sets only its name).
     """
     method = dict(config["method"])
     if method["sketch"] == "exact":
         method = {"sketch": "exact"}
+    adapter = {k: v for k, v in config.get("adapter", {"name": "none"}).items() if v is not None}
     model = config["model"]
     model_id = {"name": model["name"]}
     if model.get("random"):
@@ -143,6 +146,7 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
         "task": config["task"]["name"],
         "model": model_id,
         "method": method,
+        "adapter": adapter,
         "train": train,
         "data": {**data, **limits},
         "world_size": world_size,

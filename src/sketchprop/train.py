@@ -14,6 +14,7 @@ hub) is checked before the first heavy import.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import math
@@ -29,11 +30,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import glue, runs
-from .config import CONFIG_DIR, REPO_ROOT, Config, ConfigError, validate
+from .config import CONFIG_DIR, REPO_ROOT, AdapterConfig, Config, ConfigError, validate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["choose_setup", "main", "run", "run_files"]
+__all__ = ["add_adapter", "choose_setup", "main", "run", "run_files"]
 
 RunError = runs.RunError  # raised by run() as well as by the bookkeeping
 
@@ -96,12 +97,15 @@ def _hardware(device) -> str:
 
 
 def _check_sources(conf: Config) -> Path | None:
-    """Find the data and the model, or fail fast; switch the HF libraries to their caches when
-    the hub is needed but unreachable. Returns the local GLUE folder (None: the hub).
+    """Find the data, the model and peft (for an adapter), or fail fast; switch the HF libraries
+    to their caches when the hub is needed but unreachable. Returns the local GLUE folder (None:
+    the hub).
 
     Data: ``data.glue_dir`` / ``GLUE_DIR``; else the hub dataset; else, with the hub unreachable,
     the GLUE files shipped in ``data/glue`` (the small tasks), said in one line.
     """
+    if conf.adapter.name.value == "lora" and importlib.util.find_spec("peft") is None:
+        raise RunError("adapter=lora needs peft: pip install peft (make install puts it in .venv)")
     glue_dir = glue.resolve_glue_dir(conf.data.glue_dir)
     path = conf.model.name_or_path
     model_from_hub = path is not None and not Path(path).expanduser().is_dir()
@@ -212,6 +216,19 @@ def build_model(conf: Config, train_split):
     path = str(Path(conf.model.name_or_path).expanduser())
     tokenizer = AutoTokenizer.from_pretrained(path)
     return tokenizer, AutoModelForSequenceClassification.from_pretrained(path, **head)
+
+
+def add_adapter(model, adapter: AdapterConfig):
+    """``model`` with its adapter: for ``adapter=lora`` a peft LoRA model (the model's weights
+    frozen; the adapters and the new head, peft's ``modules_to_save`` for sequence classification,
+    train); for ``adapter=none`` the model itself."""
+    if adapter.name.value == "none":
+        return model
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    return get_peft_model(model, LoraConfig(
+        task_type=TaskType.SEQ_CLS, r=adapter.r, lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout, target_modules=list(adapter.target_modules)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +409,9 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         if _finished(files, conf):  # it finished while this process was starting
             return None
         threads = _threads(conf)
-        print(f"run: {conf.task.name}, {conf.model.name}, {conf.method.sketch.value}"
+        lora = conf.adapter if conf.adapter.name.value == "lora" else None
+        print(f"run: {conf.task.name}, {conf.model.name}{f' with LoRA r={lora.r}' if lora else ''}, "
+              f"{conf.method.sketch.value}"
               f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
               f"seed {conf.train.seed}, data from "
               f"{'the hub ' + glue.HUB_DATASET if glue_dir is None else glue_dir}, {threads} torch "
@@ -479,7 +498,7 @@ def _training_args(conf: Config, files: runs.RunFiles, threads: int):
 
 
 def _model_and_data(conf: Config, raw):
-    """The seeded model and tokenizer, and the tokenized splits."""
+    """The seeded model (with its adapter) and tokenizer, and the tokenized splits."""
     from transformers import set_seed
 
     set_seed(conf.train.seed)  # the new classifier head (or the whole random model) starts the same
@@ -489,7 +508,7 @@ def _model_and_data(conf: Config, raw):
         # Non-reentrant: saved tensors go through saved_tensors_hooks, so the saved-activation
         # count sees what checkpointing keeps.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return tokenizer, model, data
+    return tokenizer, add_adapter(model, conf.adapter), data
 
 
 def _patch(conf: Config, model) -> list[str]:
@@ -504,7 +523,7 @@ def _patch(conf: Config, model) -> list[str]:
                                skip_padding=m.skip_padding, min_rows=m.min_rows,
                                seed=conf.train.seed, track_variance=m.track_variance,
                                allocate=m.allocate.value)
-    log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
+    log.info("%s: %d linear layers patched with %s, rho=%s", conf.model.name, len(patched),
              m.sketch.value, m.rho)
     return patched
 
