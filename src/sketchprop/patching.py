@@ -16,7 +16,8 @@ from torch import nn
 from .allocation import ALLOCATIONS, VarianceAllocation
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, resolve_rho
 from .sketches import get_sketch
-from .variance import VarianceTracker, estimator_design, select_layers
+from .tracking import select_layers
+from .variance import VarianceTracker, estimator_design
 
 __all__ = ["patch_linear", "unpatch_linear", "find_linear"]
 
@@ -99,7 +100,7 @@ def patch_linear(
         track_variance: layers whose gradient variance to record each step (see
             :mod:`sketchprop.variance`): a regex on the replaced names, a list of them, or True for
             all. Each gets a :class:`~sketchprop.variance.VarianceTracker` (``B`` floats of saved
-            memory per forward); read the records with ``sketchprop.variance.collect(model)``.
+            memory per forward); read the records with ``sketchprop.tracking.collect(model)``.
         allocate: ``"uniform"`` (every layer at its ``rho``) or ``"variance"``: keep the total
             stored bytes of the uniform rates and move rows between layers to minimise the summed
             normalised gradient variance, learned online (:mod:`sketchprop.allocation`).

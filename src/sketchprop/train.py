@@ -454,7 +454,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
     collator = DataCollatorWithPadding(tokenizer)
     epoch_logs = _history_callback()
     if conf.method.track_variance and sketch_name != "exact":
-        from .variance import VarianceCallback
+        from .tracking import VarianceCallback
 
         callbacks = [VarianceCallback(model=model), *callbacks]
     trainer = _with_memory_log(Trainer)(
@@ -536,7 +536,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         }
         if conf.method.track_variance and sketch_name != "exact":
-            from .variance import collect
+            from .tracking import collect
 
             result["variance"] = collect(model)
         if trainer.is_world_process_zero():
