@@ -7,8 +7,9 @@ time). Ranges (``rho`` in (0, 1], positive sizes, ...) are checked by each schem
 ``__post_init__``, which OmegaConf runs only when it builds the objects: :func:`validate` does that,
 and the training entry point calls it before anything else.
 
-Groups (files under ``configs/``): task, model, method, train, logger, experiment (``# @package
-_global_`` overrides of the root :class:`Config`, so they may set any key), hydra/launcher.
+Groups (files under ``configs/``): task, model, method, activations, train, logger, experiment
+(``# @package _global_`` overrides of the root :class:`Config`, so they may set any key),
+hydra/launcher.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from . import activations
 from .allocation import ALLOCATIONS
 from .layers import DEFAULT_MIN_ROWS
 from .sketches import SKETCHES
@@ -32,6 +34,7 @@ from .sketches import SKETCHES
 __all__ = [
     "CONFIG_DIR",
     "REPO_ROOT",
+    "ActivationsConfig",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -61,6 +64,9 @@ Metric = enum.Enum("Metric", {m: m for m in ("matthews", "accuracy", "f1", "pear
 Precision = enum.Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16")}, type=str)
 Allocate = enum.Enum("Allocate", {a: a for a in ALLOCATIONS}, type=str)
 WandbMode = enum.Enum("WandbMode", {m: m for m in ("offline", "online", "disabled")}, type=str)
+DropoutMode = enum.Enum("DropoutMode", {m: m for m in activations.DROPOUT}, type=str)
+AttentionMode = enum.Enum("AttentionMode", {m: m for m in activations.ATTENTION}, type=str)
+GeluCodeName = enum.Enum("GeluCodeName", {m: m for m in activations.GELU_CODES}, type=str)
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -156,6 +162,28 @@ class MethodConfig:
 
 
 @dataclass
+class ActivationsConfig:
+    """What backward keeps besides the linear inputs (``sketchprop.patch_activations``). The
+    defaults keep everything as the model does (``activations=stored``); ``activations=compact``
+    turns the recommended parts on."""
+
+    dropout: DropoutMode = DropoutMode.stored  # seeded: masks made again from a saved seed
+    attention: AttentionMode = AttentionMode.stored  # recompute: probabilities redone in backward
+    gelu_bits: int | None = None  # bits of the code of GELU's derivative; null keeps its input
+    gelu_code: GeluCodeName = GeluCodeName.stochastic  # stochastic (unbiased) or optimal (biased)
+
+    @property
+    def stored(self) -> bool:
+        """True when nothing is changed: the model is left unpatched."""
+        return (self.dropout == DropoutMode.stored and self.attention == AttentionMode.stored
+                and self.gelu_bits is None)
+
+    def __post_init__(self):
+        _check(self.gelu_bits is None or 1 <= self.gelu_bits <= 8, "activations.gelu_bits",
+               self.gelu_bits, "null or an integer in 1..8, e.g. activations.gelu_bits=2")
+
+
+@dataclass
 class TrainConfig:
     """The optimisation recipe; batch size and learning rate default to the task's."""
 
@@ -224,6 +252,7 @@ class Config:
     task: TaskConfig = MISSING
     model: ModelConfig = MISSING
     method: MethodConfig = MISSING
+    activations: ActivationsConfig = MISSING
     train: TrainConfig = MISSING
     logger: LoggerConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
@@ -263,7 +292,8 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="schema", name="config", node=Config)
     for group, node in [("task", TaskConfig), ("model", ModelConfig), ("method", MethodConfig),
-                        ("train", TrainConfig), ("logger", LoggerConfig)]:
+                        ("activations", ActivationsConfig), ("train", TrainConfig),
+                        ("logger", LoggerConfig)]:
         cs.store(group="schema", name=group, node=node)
     OmegaConf.register_new_resolver("sp.repo", lambda: str(REPO_ROOT), replace=True)
     OmegaConf.register_new_resolver("sp.package_model", _package_model_path, replace=True)

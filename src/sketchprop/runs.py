@@ -61,7 +61,8 @@ NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume")
 
 #: Settings added after runs were filed, at the value that reproduces the runs made before they
 #: existed. At that value a setting is left out of the identity, so adding one renames nothing.
-NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1}
+NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1,
+           "activations": {"dropout": "stored", "attention": "stored", "gelu_bits": None}}
 
 #: Files that a complete HF Trainer checkpoint holds; ``trainer_state.json`` is written last.
 CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
@@ -99,11 +100,15 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
     ``config``), its :func:`data_source` and the number of processes.
 
     A model from a local folder is known by ``model.name`` (its path is where it lies, not what it
-    is); a hub model also by its id. The exact method is unpatched, so only its name counts.
+    is); a hub model also by its id. The exact method is unpatched, so only its name counts;
+    without a GELU code, neither does the code's kind.
     """
     method = dict(config["method"])
     if method["sketch"] == "exact":
         method = {"sketch": "exact"}
+    compact = dict(config.get("activations") or NEUTRAL["activations"])
+    if compact.get("gelu_bits") is None:
+        compact.pop("gelu_code", None)
     model = config["model"]
     model_id = {"name": model["name"]}
     if model.get("random"):
@@ -116,6 +121,7 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
         "task": config["task"]["name"],
         "model": model_id,
         "method": method,
+        "activations": compact,
         "train": train,
         "data": {**data, **limits},
         "world_size": world_size,

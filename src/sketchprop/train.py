@@ -395,7 +395,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
     import torch
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
-    from . import measure, patch_linear
+    from . import measure, patch_activations, patch_linear
 
     torch.set_num_threads(threads)
     tc, sketch_name = conf.train, conf.method.sketch.value
@@ -447,6 +447,13 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
                                track_variance=m.track_variance, allocate=m.allocate.value)
     log.info("%s: %d nn.Linear patched with %s, rho=%s", conf.model.name, len(patched),
              sketch_name, conf.method.rho)
+    compact, a = [], conf.activations
+    if not a.stored:
+        compact = patch_activations(model, dropout=a.dropout.value, attention=a.attention.value,
+                                    gelu_bits=a.gelu_bits, gelu_code=a.gelu_code.value)
+        log.info("%s: activations compact (dropout %s, attention %s, GELU %s-bit %s): %d modules",
+                 conf.model.name, a.dropout.value, a.attention.value, a.gelu_bits,
+                 a.gelu_code.value, len(compact))
 
     wandb_run = None
     if conf.logger.name == "wandb" and args.process_index == 0:
@@ -528,6 +535,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             "train_runtime": runtime,
             "global_step": trainer.state.global_step,
             "patched_layers": len(patched),
+            "compact_modules": len(compact),
             "resumed_from_checkpoint": str(resume_from) if resume_from else None,
             "run_dir": str(output_dir.resolve()),
             "command": shlex.join(sys.orig_argv),
