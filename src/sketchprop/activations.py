@@ -285,7 +285,8 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
 
     On CUDA it is PyTorch's ``scaled_dot_product_attention`` (through transformers'
     ``sdpa_attention_forward``), whose efficient kernels recompute the probabilities themselves;
-    elsewhere, and on CPU, :class:`_RecomputedAttention`. ``attention_mask`` is the boolean mask
+    elsewhere :class:`_RecomputedAttention` (SDPA too when there is neither a gradient to keep
+    anything for nor a dropout mask to draw). ``attention_mask`` is the boolean mask
     of the mask function registered beside it (True: attend), or None without padding; an additive
     float mask works too. Returns ``(output (B, L, H, D), None)``: attention weights are not
     materialised.
@@ -296,7 +297,9 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if query.device.type == "cuda" or not needs_grad:
+    # A forward without grad but with dropout (a reentrant checkpoint's first pass) draws its
+    # masks as the recomputation will: through the Function, not SDPA's own generator.
+    if query.device.type == "cuda" or not (needs_grad or dropout > 0):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
