@@ -628,10 +628,11 @@ def test_bad_input_fails_fast_with_the_fix(bad_runs, name):
 # Two processes
 
 
-@pytest.mark.parametrize("method", [[], ["method=importance", "method.allocate=variance"]])
+@pytest.mark.parametrize("method", [[], ["method=importance", "method.allocate=variance"],
+                                    ["activations=compact"]])
 def test_ddp_two_cpu_processes(tmp_path, glue_dir, method):
     """Each rank draws its own sketches; importance sampling learns its estimate and allocates
-    its rows per rank."""
+    its rows per rank; the compact activations train under DDP too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
