@@ -444,3 +444,21 @@ def test_compact_model_saves_less():
         sizes[name] = saved_bytes(model, b)
     assert all(sizes[k] < sizes["exact"] for k in ("dropout", "attention", "gelu"))
     assert sizes["all"] < min(sizes[k] for k in ("dropout", "attention", "gelu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_exact_parts_and_no_probabilities_kept():
+    """On CUDA: masks reproduce from their seed, the exact parts give the unpatched gradients,
+    and no tensor of the attention probabilities' size is saved (SDPA's kernels keep none)."""
+    assert torch.equal(act.keep_mask((1000,), 0.1, 5, "cuda"), act.keep_mask((1000,), 0.1, 5, "cuda"))
+    model = tiny_roberta(dropout=0.0).cuda()
+    ref = copy.deepcopy(model)
+    b = {k: v.cuda() for k, v in batch().items()}
+    patch_activations(model, gelu_bits=None)
+    assert_same_grads(grads(model, b), grads(ref, b), rtol=1e-4, atol=1e-5)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t,
+                                                  lambda t: t):
+        model(**b).loss.backward()
+    heads, length = model.config.num_attention_heads, b["input_ids"].shape[1]
+    assert not [s for s in shapes if tuple(s[-3:]) == (heads, length, length)]

@@ -295,6 +295,11 @@ def test_memory_table_quick(tmp_path):
             saved = [p[scheme][r]["saved_activation_bytes"] for r in ("0.5", "0.2", "0.1")]
             assert exact > saved[0] >= saved[1] >= saved[2] > 0, (name, scheme, exact, saved)
         assert exact > p["limit"]["0.5"] > p["limit"]["0.1"] > 0
+        for r in ("0.5", "0.2", "0.1"):
+            for scheme in ("ours", "ckpt+ours"):
+                compact = p[f"{scheme}+compact"][r]
+                assert compact["saved_activation_bytes"] < p[scheme][r]["saved_activation_bytes"]
+                assert compact["activations"]["attention"] == "recompute"
     # A second run skips what is there; nothing is rewritten.
     before = {n: (out / n).read_bytes() for n in names}
     assert "skipped" in run_script(args, tmp_path)

@@ -64,6 +64,7 @@ from .functional import seed_tensor
 
 __all__ = [
     "ATTENTION",
+    "ATTENTION_NAME",
     "DROPOUT",
     "GELU_CODES",
     "DEFAULT_GELU_BITS",
@@ -117,8 +118,9 @@ def _random_int16(n: int, seed: int, device) -> Tensor:
 
 def _drop_threshold(p: float) -> tuple[int, float]:
     """``(threshold, scale)``: keep a 16-bit draw ``r`` when ``r >= threshold``; ``scale`` is the
-    inverse keep probability, so that ``E[keep * scale] = 1`` exactly."""
-    dropped = round(p * 65536)
+    inverse keep probability, so that ``E[keep * scale] = 1`` exactly. (``p = 1`` drops everything
+    before any draw; just below it, one draw in 2^16 is kept.)"""
+    dropped = min(round(p * 65536), 65535)
     return dropped - 32768, 65536 / (65536 - dropped)
 
 
