@@ -400,7 +400,7 @@ class GeluCode:
             lo, step = self.levels[0], self.levels[1] - self.levels[0]
             # code = floor((g - lo) / step + u), u = (r + 2^15 + 1/2) / 2^16 for a 16-bit r.
             dither = _random_int16(g.numel(), int(_draw_seed()), g.device).view(g.shape)
-            v = g.sub_(lo).mul_(1 / step).add_((32768.5) / 65536).add_(dither, alpha=1 / 65536)
+            v = g.mul_(1 / step).add_(32768.5 / 65536 - lo / step).add_(dither, alpha=1 / 65536)
             return v.clamp_(0, top).to(torch.uint8)  # truncation is floor for v >= 0
         code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
         for t in self.thresholds:
