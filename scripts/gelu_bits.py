@@ -109,14 +109,15 @@ def grad_draws(model, batch, bits, code_name, calib, draws) -> list[dict]:
 def measure_state(model: nn.Module, data: list[dict], args) -> dict:
     calib_x, _ = capture(model, data[0])
     calib = {n: x for n, (x, _) in calib_x.items()}
-    sums: dict = {}
+    per_batch: list[dict] = []  # {key: {quantity: value}} of each held-out batch
 
     def add(key, **values):
-        acc = sums.setdefault(key, {})
+        acc = per_batch[-1].setdefault(key, {})
         for k, v in values.items():
             acc[k] = acc.get(k, 0.0) + float(v)
 
     for j, batch in enumerate(data[1:]):
+        per_batch.append({})
         torch.manual_seed(j)
         acts, exact = capture(model, batch)
         for bits in args.bit_list:
@@ -148,36 +149,67 @@ def measure_state(model: nn.Module, data: list[dict], args) -> dict:
         print(f"  batch {j + 1}/{len(data) - 1}", flush=True)
     linear = [n for n, p in model.named_parameters()
               if ".encoder." in n and n.endswith(".weight") and p.dim() == 2]
+    sums = {key: {q: sum(b[key][q] for b in per_batch) for q in qs}
+            for key, qs in per_batch[0].items()}
+
+    def bias2(err: str, noise: str, norms: dict[str, float], keys: list[str]) -> tuple:
+        """Relative bias^2 (mean error less its no-bias level, summed over batches and
+        ``keys``, each key's share divided by its ``norms`` entry, averaged over the keys) and
+        its standard error from the spread of the per-batch shares."""
+        shares = [sum((b[k][err] - b[k][noise]) / norms[k] for k in keys) / len(keys)
+                  for b in per_batch]
+        n = len(shares)
+        mean = sum(shares) / n
+        spread = sum((x - mean) ** 2 for x in shares) / (n - 1) if n > 1 else float("nan")
+        return sum(shares), (n * spread) ** 0.5
+
     out = {}
     for key, s in sums.items():
         if "/" in key:
             continue
-        params = {n: sums[f"{key}/{n}"] for n, _ in model.named_parameters()}
-        total = {f: sum(p[f] for p in params.values()) for f in ("norm", "var", "mean_err", "noise")}
+        params = [f"{key}/{n}" for n, _ in model.named_parameters()]
+        total = {f: sum(sums[p][f] for p in params) for f in ("norm", "var", "mean_err", "noise")}
         code_name, bits = key.split(":")
+        dx_bias, dx_se = bias2("dx_mean_err", "dx_noise", {key: s["dx_norm"]}, [key])
+        g_bias, g_se = bias2("mean_err", "noise", dict.fromkeys(params, total["norm"]),
+                             params)
+        g_bias, g_se = g_bias * len(params), g_se * len(params)  # a sum over parameters
+        lin = [f"{key}/{n}" for n in linear]
+        lin_bias, lin_se = bias2("mean_err", "noise", {k: sums[k]["norm"] for k in lin}, lin)
         out[key] = {
             "code": code_name, "bits": int(bits),
-            "dx_rel_bias2": (s["dx_mean_err"] - s["dx_noise"]) / s["dx_norm"],
+            "dx_rel_bias2": dx_bias, "dx_rel_bias2_se": dx_se,
             "dx_rel_var": s["dx_var"] / s["dx_norm"],
             "dx_rel_var_mc": s["dx_var_mc"] / s["dx_norm"],
             "dx_rel_mean_err": s["dx_mean_err"] / s["dx_norm"],
             "dx_rel_noise": s["dx_noise"] / s["dx_norm"],
-            "g_rel_bias2": (total["mean_err"] - total["noise"]) / total["norm"],
+            "g_rel_bias2": g_bias, "g_rel_bias2_se": g_se,
             "g_rel_var": total["var"] / total["norm"],
             "g_rel_mean_err": total["mean_err"] / total["norm"],
             "g_rel_noise": total["noise"] / total["norm"],
             # Per encoder linear weight, then averaged: comparable with the sketches' relative
             # variance V / |X^T dY|^2 (results/bench/importance_variance.md).
-            "linear_rel_bias2": sum((params[n]["mean_err"] - params[n]["noise"]) / params[n]["norm"]
-                                    for n in linear) / len(linear),
-            "linear_rel_var": sum(params[n]["var"] / params[n]["norm"] for n in linear)
-            / len(linear),
+            "linear_rel_bias2": lin_bias, "linear_rel_bias2_se": lin_se,
+            "linear_rel_var": sum(sums[k]["var"] / sums[k]["norm"] for k in lin) / len(lin),
+            "per_batch": per_batch_summary(per_batch, key),
         }
     return out
 
 
+def per_batch_summary(per_batch: list[dict], key: str) -> list[dict]:
+    """The dX quantities of ``key`` in each batch (for the JSON)."""
+    return [dict(b[key]) for b in per_batch]
+
+
 def sig(x: float) -> str:
     return f"{x:.3g}"
+
+
+def pm(row: dict, key: str) -> str:
+    """``value +- standard error`` for the stochastic code, the exact value for the optimal one."""
+    if row["code"] != "stochastic":
+        return sig(row[key])
+    return f"{sig(row[key])} +- {sig(row[key + '_se'])}"
 
 
 def tables(payload: dict) -> str:
@@ -187,11 +219,11 @@ def tables(payload: dict) -> str:
         for r in rows.values():
             lines.append([
                 r["code"], str(r["bits"]), f"{r['bits'] / 32:.4f}",
-                sig(r["dx_rel_bias2"]), sig(r["dx_rel_var"]),
+                pm(r, "dx_rel_bias2"), sig(r["dx_rel_var"]),
                 f"{sig(r['dx_rel_mean_err'])} / {sig(r['dx_rel_noise'])}",
-                sig(r["g_rel_bias2"]), sig(r["g_rel_var"]),
+                pm(r, "g_rel_bias2"), sig(r["g_rel_var"]),
                 f"{sig(r['g_rel_mean_err'])} / {sig(r['g_rel_noise'])}",
-                sig(r["linear_rel_bias2"]), sig(r["linear_rel_var"]),
+                pm(r, "linear_rel_bias2"), sig(r["linear_rel_var"]),
             ])
         out.append(bu.fmt_table(
             ["code", "bits", "bytes / float", "dX bias^2", "dX var",
@@ -204,8 +236,9 @@ def tables(payload: dict) -> str:
     return "\n\n".join(out) + (
         "\n\nbias^2 = |E[estimate] - exact|^2. For the stochastic code E is the mean of the draws:"
         " its bias^2 is |mean - exact|^2 less the draws' own noise V / draws (the 'no-bias"
-        " level'; a value near 0, of either sign, is no measurable bias); its dX var is the closed"
-        " form (the draws' sample variance is in the JSON, dx_rel_var_mc). The optimal code is"
+        " level'), +- its standard error from the spread over the batches: within two or three"
+        " of it of 0 is no measurable bias. Its dX var is the closed form (the draws' sample"
+        " variance is in the JSON, dx_rel_var_mc). The optimal code is"
         " deterministic: all its error is bias. Parameter-gradient errors include the propagation"
         " of dX's error through every layer below.\n")
 
