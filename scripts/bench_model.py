@@ -22,6 +22,11 @@ Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``
   with rows allocated by variance (``allocate="variance"``).
 - ``ckpt+ours``: checkpointing and our randomized layers together.
 - ``ours-noshare`` / ``ours-noskip``: ablations (saved bytes only; add them to ``--methods``).
+- ``<method>+compact``: the method, then ``patch_activations(model)`` (seeded dropout masks,
+  attention recomputed in backward, 2-bit GELU codes); ``compact`` alone is the exact model with
+  them. Each part alone, to report its own cost: ``+seeded`` (dropout only), ``+recompute``
+  (attention only), ``+gelu`` (GELU codes only), and ``+packed`` (the compact set with bit-packed
+  dropout masks), e.g. ``ours+compact``, ``ckpt+ours+compact``, ``ours+gelu``.
 
 Parts (``--parts``):
 
@@ -63,7 +68,13 @@ import _benchutil as bu  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from sketchprop import SKETCHES, patch_linear, unpatch_linear  # noqa: E402
+from sketchprop import (  # noqa: E402
+    SKETCHES,
+    patch_activations,
+    patch_linear,
+    unpatch_activations,
+    unpatch_linear,
+)
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 from sketchprop.patching import find_linear  # noqa: E402
 
@@ -170,18 +181,40 @@ def make_batch(model_name: str, model: nn.Module, args) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------------------------------- methods
 
+# ``+<suffix>`` of a method: the patch_activations arguments applied after it.
+ACTIVATIONS = {
+    "compact": {},
+    "seeded": {"attention": "stored", "gelu_bits": None},
+    "recompute": {"dropout": "stored", "gelu_bits": None},
+    "gelu": {"dropout": "stored", "attention": "stored"},
+    "packed": {"dropout": "packed"},
+}
+
+
+def split_activations(method: str) -> tuple[str, dict | None]:
+    """``("ours", {})`` for ``ours+compact``, ``("exact", {})`` for ``compact``, and
+    ``(method, None)`` for a method without an activations suffix."""
+    base, _, suffix = method.rpartition("+")
+    if suffix not in ACTIVATIONS:
+        return method, None
+    return base or "exact", dict(ACTIVATIONS[suffix])
+
+
 def method_list(args) -> list[dict]:
     out = []
-    for m in bu.parse_list(args.methods):
+    for name in bu.parse_list(args.methods):
+        m, acts = split_activations(name)
         if m in ("exact", "ckpt"):
-            out.append({"name": m, "ckpt": m == "ckpt", "patch": None, "rho": None})
+            out.append({"name": name, "ckpt": m == "ckpt", "patch": None, "rho": None,
+                        "activations": acts})
             continue
         if m == "exact-skip":  # no sketch, but padding rows left out of the stored X and of dW
-            out.append({"name": m, "method": m, "ckpt": False, "rho": None,
-                        "patch": dict(sketch="exact", rho=1.0, exclude="classifier")})
+            out.append({"name": name, "method": name, "ckpt": False, "rho": None,
+                        "patch": dict(sketch="exact", rho=1.0, exclude="classifier"),
+                        "activations": acts})
             continue
         for rho in args.rho_list:
-            base = {"rho": rho, "ckpt": m.startswith("ckpt+")}
+            base = {"rho": rho, "ckpt": m.startswith("ckpt+"), "activations": acts}
             kind = m.removeprefix("ckpt+")
             if kind == "paper":
                 patch = dict(sketch="gaussian", share_inputs=False, skip_padding=False, min_rows=3)
@@ -197,10 +230,10 @@ def method_list(args) -> list[dict]:
             elif kind == "ours-noskip":
                 patch = dict(sketch=args.sketch, exclude="classifier", skip_padding=False)
             else:
-                raise SystemExit(f"unknown method {m!r}")
-            label = m.replace("ours", f"ours-{args.sketch}") if kind in ("ours", "ours-noshare",
-                                                                          "ours-noskip") else m
-            out.append({**base, "name": f"{label}@{rho:g}", "method": m,
+                raise SystemExit(f"unknown method {name!r}")
+            label = name.replace("ours", f"ours-{args.sketch}") if kind in (
+                "ours", "ours-noshare", "ours-noskip") else name
+            out.append({**base, "name": f"{label}@{rho:g}", "method": name,
                         "patch": {**patch, "rho": rho}})
     return out
 
@@ -214,6 +247,8 @@ class Configured:
     def __enter__(self):
         if self.method["patch"]:
             patch_linear(self.model, **self.method["patch"])
+        if self.method.get("activations") is not None:
+            patch_activations(self.model, **self.method["activations"])
         if self.method["ckpt"]:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=self.method.get("ckpt_kwargs",
@@ -223,6 +258,8 @@ class Configured:
     def __exit__(self, *exc):
         if self.method["ckpt"]:
             self.model.gradient_checkpointing_disable()
+        if self.method.get("activations") is not None:
+            unpatch_activations(self.model)
         if self.method["patch"]:
             unpatch_linear(self.model)
         return False
@@ -408,7 +445,7 @@ def run_model(model_name: str, args, dev) -> dict:
             b = saved_bytes(model, batch, m)
             rec = result["methods"][m["name"]]
             rec["saved_bytes"] = b
-            if m["rho"] is not None and not m["ckpt"]:
+            if m["rho"] is not None and not m["ckpt"] and m.get("activations") is None:
                 rec["analytic_limit_bytes"] = split["other"] + m["rho"] * split["linear_only"]
             print(f"  bytes {m['name']:<28} {b / 2**20:9.1f} MiB", flush=True)
 
@@ -439,7 +476,7 @@ def run_model(model_name: str, args, dev) -> dict:
     gc.collect()
     if "memory" in args.part_list:
         for m in methods:
-            if m.get("method", m["name"]) in ("ours-noshare", "ours-noskip"):
+            if split_activations(m.get("method", m["name"]))[0] in ("ours-noshare", "ours-noskip"):
                 continue
             if dev.type == "cuda":
                 res = memory_in_process(model_name, m, args, dev)

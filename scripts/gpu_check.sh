@@ -10,8 +10,11 @@
 #   scripts/gpu_check.sh                        # CUDA, full benchmark shapes
 #   scripts/gpu_check.sh --device cpu --quick   # the same pipeline on CPU, tiny shapes (a test)
 #
-# Outputs: results/bench/{layer,model,overhead}_<device>[_quick]_gpucheck.{json,md}
-# (or under --out-dir DIR).
+# Outputs: results/bench/{layer,model,overhead,saved_tensors}_<device>[_quick]_gpucheck.{json,md}
+# and model_<device>[_quick]_gpucheck_compact.{json,md} (or under --out-dir DIR). The compact
+# tables measure patch_activations on roberta-base at rho 0.1: the compact set with and without
+# checkpointing, each part alone on top of the sketch (its own cost), and what backward keeps, by
+# the node that keeps it (SDPA's kernels keep no attention probabilities; dropout keeps seeds).
 set -euo pipefail
 
 DEVICE=cuda
@@ -22,7 +25,7 @@ while [[ $# -gt 0 ]]; do
         --device) DEVICE="$2"; shift 2 ;;
         --quick) QUICK=(--quick); shift ;;
         --out-dir) OUT_DIR=(--out-dir "$2"); shift 2 ;;
-        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -53,16 +56,22 @@ EOF
 if [[ ${#QUICK[@]} -gt 0 ]]; then
     MODEL_ARGS=(--models roberta-base --methods exact,ckpt,paper,ours,ckpt+ours --rhos 0.1
                 --parts bytes,time,memory)
+    COMPACT_ARGS=(--parts bytes,time,memory)
 else
     # Every layer shape at 2048 and 4096 rows; both models, every method, three rates.
     MODEL_ARGS=(--repeats 5 --warmup 2)
+    COMPACT_ARGS=(--repeats 5 --warmup 2)
 fi
+COMPACT_METHODS=exact,compact,ours,ours+compact,ckpt+ours+compact,ours+seeded,ours+recompute,ours+gelu,ours+packed
 
 "$PY" scripts/bench_layer.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}" \
     --repeats 7 --min-sample-ms 25
 "$PY" scripts/bench_model.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}" \
     "${MODEL_ARGS[@]}"
 "$PY" scripts/backward_overhead.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}"
+"$PY" scripts/bench_model.py --device "$DEVICE" --tag "${TAG}_compact" "${QUICK[@]}" \
+    "${OUT_DIR[@]}" --models roberta-base --rhos 0.1 --methods "$COMPACT_METHODS" "${COMPACT_ARGS[@]}"
+"$PY" scripts/saved_tensors.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}"
 
 DIR=results/bench
 if [[ ${#OUT_DIR[@]} -gt 0 ]]; then DIR="${OUT_DIR[1]}"; fi
@@ -70,8 +79,8 @@ SUFFIX="$([[ ${#QUICK[@]} -gt 0 ]] && echo _quick)$TAG"
 DEV_TYPE="${DEVICE%%:*}"
 echo
 echo "================ gpu_check: tables ($(($(date +%s) - START)) s) ================"
-for name in layer model overhead; do
-    f="$DIR/${name}_${DEV_TYPE}${SUFFIX}.md"
+for f in "$DIR"/{layer,model,overhead}_"${DEV_TYPE}${SUFFIX}".md \
+         "$DIR/model_${DEV_TYPE}${SUFFIX}_compact.md" "$DIR/saved_tensors_${DEV_TYPE}${SUFFIX}.md"; do
     echo
     echo "---- $f"
     cat "$f"

@@ -22,7 +22,9 @@ at rho 0.5, 0.2, 0.1; ``ckpt`` (the exact model with HF activation checkpointing
 encoder layer keeps only its input and recomputes the rest in backward) and ``ckpt+ours``
 (checkpointing and our layers together, at each rate). The saved-tensor hooks see what
 checkpointing keeps: the non-reentrant variant saves each layer's inputs through them
-(``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one). The
+(``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one);
+``ours+compact`` and ``ckpt+ours+compact`` (the same, then ``patch_activations`` with its defaults:
+dropout masks from seeds, attention recomputed in backward, 2-bit GELU codes). The
 analytic limit is the exact model's bytes with every input that only the patched linear layers
 save stored at exactly rho of its size.
 
@@ -57,6 +59,7 @@ import _benchutil as bu  # noqa: E402
 import bench_model as bm  # noqa: E402
 import torch  # noqa: E402
 
+from sketchprop import activations as act  # noqa: E402
 from sketchprop.layers import RandomizedLinear  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 from sketchprop.patching import find_linear  # noqa: E402
@@ -75,7 +78,12 @@ RHOS = (0.5, 0.2, 0.1)
 MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
 
 
-METHOD_KINDS = ("exact", "ckpt", "paper", "ours", "ckpt+ours")
+METHOD_KINDS = ("exact", "ckpt", "paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact")
+SINGLE = ("exact", "ckpt")  # one record per point
+PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact")  # one per rate
+# patch_activations' defaults, written out so that each record says what it measured.
+COMPACT = {"dropout": "seeded", "attention": "recompute", "gelu_bits": act.DEFAULT_GELU_BITS,
+           "gelu_code": act.DEFAULT_GELU_CODE}
 # Record key of each part in a method's record.
 PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}
 # HF checkpointing as the memory table runs it (see the module docstring).
@@ -83,14 +91,15 @@ CKPT_KWARGS = {"use_reentrant": False}
 
 
 def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
-    """Name -> ``{"patch": patch_linear keyword arguments or None, "ckpt": bool}``. Names are
+    """Name -> ``{"patch": patch_linear keyword arguments or None, "ckpt": bool}`` (and
+    ``"activations"``: patch_activations keyword arguments, for the compact kinds). Names are
     ``exact``, ``ckpt`` and ``<kind>@<rho>`` for the per-rate kinds."""
     out: dict[str, dict] = {}
     if "exact" in kinds:
         out["exact"] = {"patch": None, "ckpt": False}
     if "ckpt" in kinds:
         out["ckpt"] = {"patch": None, "ckpt": True}
-    for kind in ("paper", "ours", "ckpt+ours"):
+    for kind in PER_RHO:
         if kind not in kinds:
             continue
         for rho in RHOS:
@@ -100,12 +109,15 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
             else:
                 patch = dict(sketch=sketch, rho=rho, exclude="classifier")
             out[f"{kind}@{rho:g}"] = {"patch": patch, "ckpt": kind.startswith("ckpt")}
+            if kind.endswith("+compact"):
+                out[f"{kind}@{rho:g}"]["activations"] = dict(COMPACT)
     return out
 
 
 def configured(model, method: dict):
     """``bench_model.Configured`` for a memory-table method (checkpointing non-reentrant)."""
     return bm.Configured(model, {"patch": method["patch"], "ckpt": method["ckpt"],
+                                 "activations": method.get("activations"),
                                  "ckpt_kwargs": CKPT_KWARGS})
 
 
@@ -313,6 +325,8 @@ def run_point(table: str, task: str, batch_size: int, args, env: dict,
             rec["patch"] = method["patch"]
         if method["ckpt"]:
             rec["checkpointing"] = CKPT_KWARGS
+        if method.get("activations") is not None:
+            rec["activations"] = method["activations"]
         group, _, rho = name.partition("@")
         if rho:
             point.setdefault(group, {})[rho] = rec
@@ -321,14 +335,11 @@ def run_point(table: str, task: str, batch_size: int, args, env: dict,
         shown = [f"{rec[k] / 2**20:8.1f} MiB saved" for k in ("saved_activation_bytes",) if k in rec]
         if "peak_memory" in rec:
             shown.append(f"{rec['peak_memory']['peak_bytes'] / 2**20:8.1f} MiB peak")
-        print(f"  {name:<14} {'  '.join(shown)}", flush=True)
+        print(f"  {name:<22} {'  '.join(shown)}", flush=True)
     del model
     gc.collect()
     return point
 
-
-SINGLE = ("exact", "ckpt")  # one record per point
-PER_RHO = ("paper", "ours", "ckpt+ours")  # one record per rate
 
 
 def merge(old: dict, new: dict) -> dict:

@@ -1,6 +1,6 @@
 """Figure 4: the variance the sketch adds against SGD's own, over training steps.
 
-Reads the ``variance`` records (``sketchprop.variance.collect``) from one or more run JSON files
+Reads the ``variance`` records (``sketchprop.tracking.collect``) from one or more run JSON files
 (``result.json`` or ``results/runs/...json``: a dict with key ``variance``; a bare list of records
 also works) and draws, per tracked layer,
 

@@ -34,7 +34,7 @@ import bench_model as bm  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from sketchprop.sketches import SKETCHES  # noqa: E402
+from sketchprop.variance import expected_variance  # noqa: E402
 
 KINDS = ["query", "key", "value", "attention.output", "intermediate", "output.dense"]
 
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
             exact = y.T @ x
             for rho in rhos:
                 k = max(1, math.ceil(rho * x.shape[0] - 1e-9))
-                ref[rho][layer] = SKETCHES["gaussian"].expected_variance(x, y, k)
+                ref[rho][layer] = expected_variance("gaussian", x, y, k)
                 for s, fn in ests.items():
                     tot = 0.0
                     for i in range(args.seeds):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from sketchprop.sketches import SKETCHES, BlockSRHT
+from sketchprop.variance import expected_variance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +163,7 @@ def test_sketch_variance_quick(tmp_path):
     assert len(layers) == len(data["layers"])
 
     def closed_form(spec):
-        return sum(SKETCHES[spec].expected_variance(x, y, k) for x, y, k in layers)
+        return sum(expected_variance(spec, x, y, k) for x, y, k in layers)
 
     gaussian = closed_form("gaussian")
     for spec in specs:
@@ -294,6 +295,11 @@ def test_memory_table_quick(tmp_path):
             saved = [p[scheme][r]["saved_activation_bytes"] for r in ("0.5", "0.2", "0.1")]
             assert exact > saved[0] >= saved[1] >= saved[2] > 0, (name, scheme, exact, saved)
         assert exact > p["limit"]["0.5"] > p["limit"]["0.1"] > 0
+        for r in ("0.5", "0.2", "0.1"):
+            for scheme in ("ours", "ckpt+ours"):
+                compact = p[f"{scheme}+compact"][r]
+                assert compact["saved_activation_bytes"] < p[scheme][r]["saved_activation_bytes"]
+                assert compact["activations"]["attention"] == "recompute"
     # A second run skips what is there; nothing is rewritten.
     before = {n: (out / n).read_bytes() for n in names}
     assert "skipped" in run_script(args, tmp_path)

@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from sketchprop import SKETCHES
 from sketchprop.config import CONFIG_DIR, ConfigError, _sweep_subdir, compose, validate
 
-GROUPS = ["task", "model", "method", "scheme", "train", "logger", "experiment"]
+GROUPS = ["task", "model", "method", "scheme", "activations", "train", "logger", "experiment"]
 FILES = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
 
 
@@ -33,6 +33,7 @@ def test_groups_are_complete():
     assert stems["model"] >= {"roberta-base", "minilm", "tiny-roberta"}
     assert stems["method"] == set(SKETCHES)
     assert stems["scheme"] == {"ours", "paper"}
+    assert stems["activations"] == {"stored", "compact"}
     assert stems["train"] >= {"paper", "cpu"}
     assert stems["logger"] == {"wandb", "none"}
     assert "smoke" in stems["experiment"]
@@ -124,6 +125,11 @@ def test_unknown_allocation_fails_at_composition():
     ("method=gausian", MissingConfigException),
     ("task=colaa", MissingConfigException),
     ("method.rhoo=0.1", ConfigCompositionException),
+    ("activations=compat", MissingConfigException),
+    ("activations.gelu_bit=2", ConfigCompositionException),
+    ("activations.dropout=mask", ConfigCompositionException),
+    ("activations.attention=flash", ConfigCompositionException),
+    ("activations.gelu_code=nearest", ConfigCompositionException),
     ("train.epoch=3", ConfigCompositionException),
     ("task.metrics=[acc]", ConfigCompositionException),
 ])
@@ -140,10 +146,30 @@ def test_unknown_names_fail_at_composition(override, error):
     ("data.max_train_samples=0", "data.max_train_samples"),
     ("method.min_rows=0", "method.min_rows"),
     ("logger.name=tensorboard", "logger.name"),
+    ("activations.gelu_bits=0", "activations.gelu_bits"),
+    ("activations.gelu_bits=9", "activations.gelu_bits"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose([override])
+
+
+def test_activations_default_to_stored_and_compact_is_the_library_default():
+    """activations=stored leaves the model as it is; compact is what patch_activations() applies
+    when called with no options, each key overridable."""
+    import inspect
+
+    from sketchprop import patch_activations
+
+    a = validate(compose()).activations
+    assert a.stored and a.gelu_bits is None
+    c = validate(compose(["activations=compact"])).activations
+    defaults = {k: v.default for k, v in inspect.signature(patch_activations).parameters.items()}
+    assert (c.dropout.value, c.attention.value, c.gelu_bits, c.gelu_code.value) == tuple(
+        defaults[k] for k in ("dropout", "attention", "gelu_bits", "gelu_code"))
+    c = validate(compose(["activations=compact", "activations.gelu_bits=3",
+                          "activations.dropout=packed"])).activations
+    assert (c.gelu_bits, c.dropout.value, c.stored) == (3, "packed", False)
 
 
 def test_method_keys_are_explicit():

@@ -303,6 +303,21 @@ def test_exact_method_is_unpatched_and_named_rho_1(tmp_path, glue_dir):
     filed(tmp_path, "results/runs/default/cola/exact-rho1.0-seed1-*.json")
 
 
+def test_compact_activations_run_and_count_what_they_keep(tmp_path, glue_dir):
+    """activations=compact patches the tiny model's 8 dropout and 2 GELU modules and switches its
+    attention; the saved bytes in the result count the codes and seeds, not what they replace."""
+    base = overrides(tmp_path, glue_dir, "train.max_steps=2")
+    stored = run(compose(base), output_dir=tmp_path / "stored")
+    compact = run(compose([*base, "activations=compact", f"results_dir={tmp_path}/compact"]),
+                  output_dir=tmp_path / "compact")
+    assert (stored["compact_modules"], compact["compact_modules"]) == (0, 10)
+    assert compact["identity"]["activations"] == {
+        "dropout": "seeded", "attention": "recompute", "gelu_bits": 2, "gelu_code": "stochastic"}
+    assert "activations" not in stored["identity"]  # stored: neutral, no committed run renamed
+    assert compact["saved_activation_bytes"] < 0.8 * stored["saved_activation_bytes"]
+    assert all(v is not None for v in compact["metrics"].values())
+
+
 def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
     import math
 
@@ -477,7 +492,8 @@ def test_a_short_run_never_stands_in_for_the_full_run(tmp_path, glue_dir, capsys
     "train.eval_batch_size=4", "data.max_train_samples=40", "data.max_eval_samples=8",
     "method.rho=0.2", "method.min_rows=4", "method.targets=query", "scheme=paper",
     "model.random.hidden_size=16", "train.gradient_checkpointing=true", "train.seed=2",
-    "task=stsb", "method.allocate=variance", "method=importance", "adapter=lora"])
+    "task=stsb", "method.allocate=variance", "method=importance", "adapter=lora",
+    "activations=compact", "activations.gelu_bits=2", "activations.dropout=seeded"])
 def test_identity_covers_every_setting_that_changes_the_result(tmp_path, glue_dir, change):
     base = overrides(tmp_path, glue_dir)
     a = run_files(validate(compose(base)), compose(base), glue_dir)
@@ -496,7 +512,8 @@ def test_identity_covers_every_adapter_key(tmp_path, glue_dir, change):
 
 @pytest.mark.parametrize("change", [
     "train.logging_steps=7", "train.checkpoint=false", "train.resume=false", "threads=1",
-    "logger=wandb", "experiment_name=default", "results_dir=/elsewhere", "overwrite=true"])
+    "logger=wandb", "experiment_name=default", "results_dir=/elsewhere", "overwrite=true",
+    "activations=stored", "activations.gelu_code=optimal"])
 def test_identity_leaves_out_what_cannot_change_the_result(tmp_path, glue_dir, change):
     base = overrides(tmp_path, glue_dir)
     a = run_files(validate(compose(base)), compose(base), glue_dir)
@@ -652,10 +669,11 @@ def test_bad_input_fails_fast_with_the_fix(bad_runs, name):
 # Two processes
 
 
-@pytest.mark.parametrize("method", [[], ["method=importance", "method.allocate=variance"]])
+@pytest.mark.parametrize("method", [[], ["method=importance", "method.allocate=variance"],
+                                    ["activations=compact"]])
 def test_ddp_two_cpu_processes(tmp_path, glue_dir, method):
     """Each rank draws its own sketches; importance sampling learns its estimate and allocates
-    its rows per rank."""
+    its rows per rank; the compact activations train under DDP too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -7,7 +7,7 @@ time). Ranges (``rho`` in (0, 1], positive sizes, ...) are checked by each schem
 ``__post_init__``, which OmegaConf runs only when it builds the objects: :func:`validate` does that,
 and the training entry point calls it before anything else.
 
-Groups (files under ``configs/``): task, model, method, adapter, train, logger, experiment
+Groups (files under ``configs/``): task, model, method, adapter, activations, train, logger, experiment
 (``# @package _global_`` overrides of the root :class:`Config`, so they may set any key),
 hydra/launcher.
 """
@@ -26,6 +26,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from . import activations
 from .allocation import ALLOCATIONS
 from .layers import DEFAULT_MIN_ROWS
 from .sketches import SKETCHES
@@ -34,6 +35,7 @@ __all__ = [
     "CONFIG_DIR",
     "REPO_ROOT",
     "AdapterConfig",
+    "ActivationsConfig",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -64,6 +66,9 @@ Precision = enum.Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16")}, typ
 Allocate = enum.Enum("Allocate", {a: a for a in ALLOCATIONS}, type=str)
 WandbMode = enum.Enum("WandbMode", {m: m for m in ("offline", "online", "disabled")}, type=str)
 AdapterName = enum.Enum("AdapterName", {a: a for a in ("none", "lora")}, type=str)
+DropoutMode = enum.Enum("DropoutMode", {m: m for m in activations.DROPOUT}, type=str)
+AttentionMode = enum.Enum("AttentionMode", {m: m for m in activations.ATTENTION}, type=str)
+GeluCodeName = enum.Enum("GeluCodeName", {m: m for m in activations.GELU_CODES}, type=str)
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -184,6 +189,25 @@ class AdapterConfig:
                self.dropout, "a probability in [0, 1)")
         _check(bool(self.target_modules), "adapter.target_modules", self.target_modules,
                "a list of module names, e.g. [query, value]")
+class ActivationsConfig:
+    """What backward keeps besides the linear inputs (``sketchprop.patch_activations``). The
+    defaults keep everything as the model does (``activations=stored``); ``activations=compact``
+    turns the recommended parts on."""
+
+    dropout: DropoutMode = DropoutMode.stored  # seeded: masks made again from a saved seed
+    attention: AttentionMode = AttentionMode.stored  # recompute: probabilities redone in backward
+    gelu_bits: int | None = None  # bits of the code of GELU's derivative; null keeps its input
+    gelu_code: GeluCodeName = GeluCodeName.stochastic  # stochastic (unbiased) or optimal (biased)
+
+    @property
+    def stored(self) -> bool:
+        """True when nothing is changed: the model is left unpatched."""
+        return (self.dropout == DropoutMode.stored and self.attention == AttentionMode.stored
+                and self.gelu_bits is None)
+
+    def __post_init__(self):
+        _check(self.gelu_bits is None or 1 <= self.gelu_bits <= 8, "activations.gelu_bits",
+               self.gelu_bits, "null or an integer in 1..8, e.g. activations.gelu_bits=2")
 
 
 @dataclass
@@ -256,6 +280,7 @@ class Config:
     model: ModelConfig = MISSING
     method: MethodConfig = MISSING
     adapter: AdapterConfig = MISSING
+    activations: ActivationsConfig = MISSING
     train: TrainConfig = MISSING
     logger: LoggerConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
@@ -296,6 +321,7 @@ def register() -> None:
     cs.store(group="schema", name="config", node=Config)
     for group, node in [("task", TaskConfig), ("model", ModelConfig), ("method", MethodConfig),
                         ("adapter", AdapterConfig), ("train", TrainConfig),
+                        ("activations", ActivationsConfig), ("train", TrainConfig),
                         ("logger", LoggerConfig)]:
         cs.store(group="schema", name=group, node=node)
     OmegaConf.register_new_resolver("sp.repo", lambda: str(REPO_ROOT), replace=True)

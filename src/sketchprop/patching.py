@@ -1,9 +1,13 @@
-"""Module surgery: swap linear layers (``nn.Linear`` and transformers' ``Conv1D``) for
-:class:`RandomizedLinear` and back.
+"""Module surgery, the one place that does it: :func:`patch_linear` swaps linear layers
+(``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear`,
+:func:`patch_activations` swaps dropout and GELU modules for their compact forms
+(:mod:`sketchprop.activations`) and switches the attention function; each has an inverse.
 
-Every argument and every match is checked before the first module is replaced, so a bad call leaves
-the model untouched. The replacement reuses the original ``weight`` and ``bias`` Parameters: state_dict
-keys, tied weights, optimizer parameter groups and pretrained loading are unchanged.
+Both follow one pattern: select modules by type and by regexes on their qualified names, check
+every argument and every match, build every replacement, and only then change the model
+(:func:`_swap`), so a bad call leaves it untouched. A replacement reuses the original's Parameters
+(the compact activations have none): state_dict keys, tied weights, optimizer parameter groups and
+pretrained loading are unchanged.
 """
 
 from __future__ import annotations
@@ -11,29 +15,27 @@ from __future__ import annotations
 import inspect
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
+from . import activations as act
 from .allocation import ALLOCATIONS, VarianceAllocation
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
 from .sketches import get_sketch
-from .variance import VarianceTracker, estimator_design, select_layers
+from .tracking import select_layers
+from .variance import VarianceTracker, estimator_design
 
-__all__ = ["DEFAULT_EXCLUDE", "patch_linear", "unpatch_linear", "find_linear"]
+__all__ = ["DEFAULT_EXCLUDE", "patch_linear", "unpatch_linear", "find_linear",
+           "patch_activations", "unpatch_activations"]
 
 _HOOKS = "_sketchprop_hooks"
+_ACTIVATIONS = "_sketchprop_activations"
 
 #: Left exact unless ``exclude`` says otherwise: a language model's output layer. Its weight is tied
 #: to the input embedding in most language models (GPT-2, Llama, T5), so a sketched gradient there
 #: adds noise to every token's embedding, and its memory is the logits it produces, not its input.
 DEFAULT_EXCLUDE = r"(^|\.)lm_head(\.|$)"
-
-
-def _is_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (not a subclass: see :func:`patch_linear`) or transformers' Conv1D."""
-    conv1d = conv1d_class()
-    return type(module) is nn.Linear or (conv1d is not None and type(module) is conv1d)
 
 
 def _compile(pattern: str | None, what: str) -> re.Pattern | None:
@@ -45,6 +47,51 @@ def _compile(pattern: str | None, what: str) -> re.Pattern | None:
         raise ValueError(f"{what} is not a valid regex: {pattern!r} ({err})") from None
 
 
+def _select(model: nn.Module, kind: Callable[[nn.Module], bool], targets: str | None,
+            exclude: str | None) -> list[str]:
+    """Qualified names of the modules of ``model`` of the ``kind`` that ``targets`` (a regex,
+    ``re.search``; None: all) matches and ``exclude`` does not, in module order."""
+    inc, exc = _compile(targets, "targets"), _compile(exclude, "exclude")
+    return [
+        name
+        for name, mod in model.named_modules()
+        if kind(mod)
+        and (inc is None or inc.search(name))
+        and not (exc is not None and exc.search(name))
+    ]
+
+
+def _no_match(what: str, targets, exclude, model: nn.Module, kind, by: str) -> ValueError:
+    """Why nothing was selected: how many modules of the kind the model has, and the types of the
+    matched modules that hold weights of their own (a layer type the surgery does not know)."""
+    count = sum(kind(m) for m in model.modules())
+    others = Counter(type(mod).__name__ for name in _select(model, lambda m: not kind(m), targets,
+                                                            exclude)
+                     if next((mod := model.get_submodule(name)).parameters(recurse=False), None)
+                     is not None)
+    message = f"targets={targets!r} exclude={exclude!r} match no {what} (the model has {count})"
+    if others:
+        listed = ", ".join(f"{name} ({n})" for name, n in sorted(others.items()))
+        message += (f"; the modules they match with weights of their own are {listed}, which "
+                    f"{by} does not replace")
+    return ValueError(message)
+
+
+def _swap(model: nn.Module, replacements: Mapping[str, nn.Module]) -> list[str]:
+    """Put each module of ``replacements`` in place of the module its name points to; returns the
+    names. Everything is checked and built before this is called: it only assigns."""
+    for name, new in replacements.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    return list(replacements)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` (not a subclass: see :func:`patch_linear`) or transformers' Conv1D."""
+    conv1d = conv1d_class()
+    return type(module) is nn.Linear or (conv1d is not None and type(module) is conv1d)
+
+
 def find_linear(model: nn.Module, targets: str | None = None,
                 exclude: str | None = DEFAULT_EXCLUDE) -> list[str]:
     """Qualified names of the linear layers (``nn.Linear``, transformers' ``Conv1D``) of ``model``
@@ -53,28 +100,7 @@ def find_linear(model: nn.Module, targets: str | None = None,
     A name is selected when ``targets`` (a regex, ``re.search``) matches it, or ``targets`` is None,
     and ``exclude`` does not match it. Modules already patched are not selected.
     """
-    return [name for name, mod in _matching(model, targets, exclude) if _is_linear(mod)]
-
-
-def _matching(model: nn.Module, targets: str | None, exclude: str | None):
-    inc, exc = _compile(targets, "targets"), _compile(exclude, "exclude")
-    return [(name, mod) for name, mod in model.named_modules()
-            if (inc is None or inc.search(name)) and not (exc is not None and exc.search(name))]
-
-
-def _no_match(model: nn.Module, targets: str | None, exclude: str | None) -> str:
-    """Why nothing was selected: how many linear layers the model has, and the types of the
-    matched modules that hold weights of their own (a layer type patch_linear does not know)."""
-    n_linear = sum(_is_linear(m) for m in model.modules())
-    others = Counter(type(mod).__name__ for _, mod in _matching(model, targets, exclude)
-                     if not _is_linear(mod) and next(mod.parameters(recurse=False), None) is not None)
-    message = (f"targets={targets!r} exclude={exclude!r} match no nn.Linear or Conv1D "
-               f"(the model has {n_linear})")
-    if others:
-        listed = ", ".join(f"{name} ({n})" for name, n in sorted(others.items()))
-        message += (f"; the modules they match with weights of their own are {listed}, which "
-                    f"patch_linear does not replace (it knows nn.Linear and transformers' Conv1D)")
-    return message
+    return _select(model, _is_linear, targets, exclude)
 
 
 #: Arguments of an encoder-decoder's forward that give the decoder's sequence length.
@@ -153,7 +179,7 @@ def patch_linear(
         track_variance: layers whose gradient variance to record each step (see
             :mod:`sketchprop.variance`): a regex on the replaced names, a list of them, or True for
             all. Each gets a :class:`~sketchprop.variance.VarianceTracker` (``B`` floats of saved
-            memory per forward); read the records with ``sketchprop.variance.collect(model)``.
+            memory per forward); read the records with ``sketchprop.tracking.collect(model)``.
         allocate: ``"uniform"`` (every layer at its ``rho``) or ``"variance"``: keep the total
             stored bytes of the uniform rates and move rows between layers to minimise the summed
             normalised gradient variance, learned online (:mod:`sketchprop.allocation`).
@@ -173,7 +199,8 @@ def patch_linear(
         raise ValueError("model is already patched; call unpatch_linear(model) first")
     names = find_linear(model, targets, exclude)
     if not names:
-        raise ValueError(_no_match(model, targets, exclude))
+        raise _no_match("nn.Linear or Conv1D", targets, exclude, model, _is_linear,
+                        "patch_linear (it knows nn.Linear and transformers' Conv1D)")
     rates = {name: resolve_rho(rho, name) for name in names}
     if int(min_rows) < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
@@ -187,36 +214,144 @@ def patch_linear(
         estimator_design(sketch_obj, 2, 1)  # raises for a kind without an online estimator
 
     context = SketchContext()
+    new = {}
+    for name in names:
+        layer = RandomizedLinear.from_linear(
+            model.get_submodule(name), sketch=sketch_obj, rho=rates[name], min_rows=min_rows,
+            seed=seed, name=name, share_inputs=share_inputs, skip_padding=skip_padding,
+            context=context,
+        )
+        if name in tracked:
+            layer.tracker = VarianceTracker(name)
+        layer.allocation = allocation
+        new[name] = layer
+
     hooks = []
     if skip_padding:
         hooks.append(model.register_forward_pre_hook(_mask_hook(context, model),
                                                      with_kwargs=True))
     setattr(model, _HOOKS, hooks)
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        new = RandomizedLinear.from_linear(
-            getattr(parent, child), sketch=sketch_obj, rho=rates[name], min_rows=min_rows,
-            seed=seed, name=name, share_inputs=share_inputs, skip_padding=skip_padding,
-            context=context,
-        )
-        if name in tracked:
-            new.tracker = VarianceTracker(name)
-        new.allocation = allocation
-        setattr(parent, child, new)
-    return names
+    return _swap(model, new)
 
 
 def unpatch_linear(model: nn.Module) -> list[str]:
     """Put the original layers (``nn.Linear`` or ``Conv1D``, same Parameters) back in place of
     every :class:`RandomizedLinear` and remove the hooks ``patch_linear`` added. Returns the names."""
-    names = [n for n, m in model.named_modules() if isinstance(m, RandomizedLinear)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, getattr(parent, child).to_linear())
+    names = _select(model, lambda m: isinstance(m, RandomizedLinear), None, None)
+    _swap(model, {name: model.get_submodule(name).to_linear() for name in names})
     for hook in getattr(model, _HOOKS, None) or []:
         hook.remove()
     if hasattr(model, _HOOKS):
         delattr(model, _HOOKS)
+    return names
+
+
+def _is_dropout(module: nn.Module) -> bool:
+    return type(module) is nn.Dropout
+
+
+def _check_attention(model: nn.Module) -> None:
+    """Raise unless ``model`` is a transformers model whose attention function can be switched
+    through ``AttentionInterface``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        PreTrainedModel = None  # noqa: N806
+    if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
+        raise ValueError(f"attention='recompute' needs a transformers PreTrainedModel, got "
+                         f"{type(model).__name__}; pass attention='stored'")
+    if not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not call its attention through "
+                         "transformers' AttentionInterface; pass attention='stored'")
+
+
+def patch_activations(
+    model: nn.Module,
+    dropout: str = "seeded",
+    attention: str = "recompute",
+    gelu_bits: int | None = act.DEFAULT_GELU_BITS,
+    gelu_code: str = act.DEFAULT_GELU_CODE,
+    targets: str | None = None,
+    exclude: str | None = None,
+) -> list[str]:
+    """Make what ``model`` saves for backward besides its linear inputs compact, in place.
+
+    Called with no options it applies the recommended set (:mod:`sketchprop.activations` says
+    what each part keeps and why the defaults are what they are). Composes with
+    :func:`patch_linear`, in either order.
+
+    Args:
+        model: a transformers model of the BERT / RoBERTa families, or (without the attention
+            part) any ``nn.Module``.
+        dropout: ``"seeded"`` (:class:`~sketchprop.activations.SeededDropout` in place of each
+            ``nn.Dropout``: the mask is made again from a saved seed), ``"packed"`` (the mask is
+            kept at one bit per element) or ``"stored"`` (left as it is). Exact.
+        attention: ``"recompute"`` (the model's attention function becomes
+            :func:`~sketchprop.activations.recompute_attention`: Q, K, V and the mask are kept,
+            the probabilities and their dropout mask recomputed in backward; exact) or
+            ``"stored"``.
+        gelu_bits: bits of the code of GELU's derivative kept instead of its input
+            (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module), or
+            None to leave GELU as it is.
+        gelu_code: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, biased).
+        targets / exclude: regexes on qualified module names selecting the dropout and GELU
+            modules, as in :func:`patch_linear`.
+
+    Returns:
+        The qualified names of the replaced modules, in module order. The attention switch is not
+        a module: it shows in ``model.config._attn_implementation``.
+
+    Raises:
+        ValueError: an unknown value; every part off; a model already patched; a part whose
+            modules the patterns do not match (no ``nn.Dropout``, no exact GELU); attention on a
+            model that cannot switch its attention function. Nothing is changed when it raises.
+    """
+    if dropout not in act.DROPOUT:
+        raise ValueError(f"unknown dropout {dropout!r}; choose one of {list(act.DROPOUT)}")
+    if attention not in act.ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}; choose one of {list(act.ATTENTION)}")
+    if gelu_bits is not None:
+        act.CompactGELU(gelu_bits, gelu_code)  # raises for bad bits or code
+    if dropout == "stored" and attention == "stored" and gelu_bits is None:
+        raise ValueError("dropout='stored', attention='stored' and gelu_bits=None: nothing to patch")
+    if getattr(model, _ACTIVATIONS, None) is not None:
+        raise ValueError("model's activations are already patched; call unpatch_activations(model) "
+                         "first")
+    new: dict[str, nn.Module] = {}
+    if dropout != "stored":
+        names = _select(model, _is_dropout, targets, exclude)
+        if not names:
+            raise _no_match("nn.Dropout", targets, exclude, model, _is_dropout,
+                            "patch_activations")
+        kind = act.SeededDropout if dropout == "seeded" else act.PackedDropout
+        new.update({n: kind.from_dropout(model.get_submodule(n)) for n in names})
+    if gelu_bits is not None:
+        names = _select(model, act.is_exact_gelu, targets, exclude)
+        if not names:
+            raise _no_match("exact GELU module (nn.GELU() or transformers' GELUActivation)",
+                            targets, exclude, model, act.is_exact_gelu, "patch_activations")
+        for n in names:
+            new[n] = act.CompactGELU(gelu_bits, gelu_code).train(model.get_submodule(n).training)
+    if attention == "recompute":
+        _check_attention(model)
+
+    new = {n: new[n] for n, _ in model.named_modules() if n in new}  # module order
+    state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None}
+    if attention == "recompute":
+        state["attention"] = model.config._attn_implementation
+        model.set_attn_implementation(act.register_attention())
+    setattr(model, _ACTIVATIONS, state)
+    return _swap(model, new)
+
+
+def unpatch_activations(model: nn.Module) -> list[str]:
+    """Undo :func:`patch_activations`: the original dropout and GELU modules back in place, the
+    previous attention function back on. Returns the names of the modules put back."""
+    state = getattr(model, _ACTIVATIONS, None)
+    if state is None:
+        return []
+    names = _swap(model, state["modules"])
+    if state["attention"] is not None:
+        model.set_attn_implementation(state["attention"])
+    delattr(model, _ACTIVATIONS)
     return names

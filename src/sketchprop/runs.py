@@ -78,7 +78,8 @@ NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume")
 #: Settings added after runs were filed, at the value that reproduces the runs made before they
 #: existed. At that value a setting is left out of the identity, so adding one renames nothing.
 NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1,
-           "adapter": {"name": "none"}}
+           "adapter": {"name": "none"},
+           "activations": {"dropout": "stored", "attention": "stored", "gelu_bits": None}}
 
 #: Files that a complete HF Trainer checkpoint holds; ``trainer_state.json`` is written last.
 CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
@@ -128,12 +129,16 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
 
     A model from a local folder is known by ``model.name`` (its path is where it lies, not what it
     is); a hub model also by its id. The exact method is unpatched, so only its name counts. An
-    adapter is known by its keys that are set (``none`` sets only its name).
+    adapter is known by its keys that are set (``none`` sets only its name); without a GELU code,
+    the code's kind does not count.
     """
     method = dict(config["method"])
     if method["sketch"] == "exact":
         method = {"sketch": "exact"}
     adapter = {k: v for k, v in config.get("adapter", {"name": "none"}).items() if v is not None}
+    compact = dict(config.get("activations") or NEUTRAL["activations"])
+    if compact.get("gelu_bits") is None:
+        compact.pop("gelu_code", None)
     model = config["model"]
     model_id = {"name": model["name"]}
     if model.get("random"):
@@ -147,6 +152,7 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
         "model": model_id,
         "method": method,
         "adapter": adapter,
+        "activations": compact,
         "train": train,
         "data": {**data, **limits},
         "world_size": world_size,

@@ -88,15 +88,6 @@ class Sketch:
     def apply(self, a: Tensor, k: int, seed: int, rows: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
-    def expected_variance(self, x: Tensor, y: Tensor, k: int) -> float | None:
-        """``E |X^T S S^T Y - X^T Y|_F^2`` in closed form, or None where none is implemented.
-
-        The formulas of all kinds live in one place, :func:`sketchprop.variance.expected_variance`.
-        """
-        from .variance import expected_variance
-
-        return expected_variance(self, x, y, k)
-
 
 @dataclass(frozen=True)
 class Exact(Sketch):

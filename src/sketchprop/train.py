@@ -422,7 +422,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         resume_from = files.resume_point(conf.train.resume, conf.overwrite, args.process_index == 0)
         with args.main_process_first(desc="tokenize"):
             tokenizer, model, data = _model_and_data(conf, raw)
-        patched = _patch(conf, model)
+        patched, compact = _patch(conf, model)
         wandb_run = None
         if conf.logger.name == "wandb" and args.process_index == 0:
             wandb_run = _wandb_init(conf, cfg, output_dir, files)
@@ -430,7 +430,7 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
             trainer, out, epoch_logs, peak = _train(conf, model, tokenizer, data, args, files,
                                                     resume_from, callbacks)
             result = _result(conf, cfg, files, trainer, out, epoch_logs, peak, data, threads,
-                             patched, resume_from, output_dir)
+                             patched, compact, resume_from, output_dir)
             if trainer.is_world_process_zero():
                 result["wall_seconds"] = time.time() - start
                 files.finish(result, output_dir)
@@ -511,9 +511,10 @@ def _model_and_data(conf: Config, raw):
     return tokenizer, add_adapter(model, conf.adapter), data
 
 
-def _patch(conf: Config, model) -> list[str]:
-    """Patch the model's linear layers as the method says; the names patched."""
-    from . import patch_linear
+def _patch(conf: Config, model) -> tuple[list[str], list[str]]:
+    """Patch the model's linear layers as the method says, and its activations as
+    ``activations`` says; the names patched, of each."""
+    from . import patch_activations, patch_linear
 
     patched = []
     m = conf.method
@@ -525,7 +526,14 @@ def _patch(conf: Config, model) -> list[str]:
                                allocate=m.allocate.value)
     log.info("%s: %d linear layers patched with %s, rho=%s", conf.model.name, len(patched),
              m.sketch.value, m.rho)
-    return patched
+    compact, a = [], conf.activations
+    if not a.stored:
+        compact = patch_activations(model, dropout=a.dropout.value, attention=a.attention.value,
+                                    gelu_bits=a.gelu_bits, gelu_code=a.gelu_code.value)
+        log.info("%s: activations compact (dropout %s, attention %s, GELU %s-bit %s): %d modules",
+                 conf.model.name, a.dropout.value, a.attention.value, a.gelu_bits,
+                 a.gelu_code.value, len(compact))
+    return patched, compact
 
 
 def _train(conf: Config, model, tokenizer, data, args, files: runs.RunFiles, resume_from,
@@ -538,7 +546,7 @@ def _train(conf: Config, model, tokenizer, data, args, files: runs.RunFiles, res
 
     epoch_logs = _history_callback()
     if conf.method.track_variance and conf.method.sketch.value != "exact":
-        from .variance import VarianceCallback
+        from .tracking import VarianceCallback
 
         callbacks = [VarianceCallback(model=model), *callbacks]
     trainer = _with_memory_log(Trainer)(
@@ -561,7 +569,8 @@ def _train(conf: Config, model, tokenizer, data, args, files: runs.RunFiles, res
 
 
 def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, epoch_logs, peak,
-            data, threads: int, patched: list[str], resume_from, output_dir: Path) -> dict:
+            data, threads: int, patched: list[str], compact: list[str], resume_from,
+            output_dir: Path) -> dict:
     """The result record (``result.json``; its ``wall_seconds`` is set by the caller)."""
     import torch
 
@@ -617,6 +626,7 @@ def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, e
         "train_runtime": runtime,
         "global_step": trainer.state.global_step,
         "patched_layers": len(patched),
+        "compact_modules": len(compact),
         "resumed_from_checkpoint": str(resume_from) if resume_from else None,
         "run_dir": str(output_dir.resolve()),
         "command": shlex.join(sys.orig_argv),
@@ -625,7 +635,7 @@ def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, e
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
     if conf.method.track_variance and sketch != "exact":
-        from .variance import collect
+        from .tracking import collect
 
         result["variance"] = collect(trainer.model)
     return result

@@ -1,0 +1,472 @@
+r"""Compact activations: what backward keeps besides the linear layers' inputs.
+
+A transformer encoder saves more for backward than its linear inputs: the attention core (softmax
+output, dropped probabilities, Q, K, V), the dropout masks (a float per element on CPU) and the
+GELU inputs. Each has a leaner form, here as drop-in replacements that
+:func:`sketchprop.patch_activations` puts into a model:
+
+- **Dropout** (:class:`SeededDropout`, ``dropout="seeded"``): forward draws an 8-byte seed, makes
+  the mask from it and saves only the seed; backward makes the same mask again. ``"packed"``
+  (:class:`PackedDropout`) saves the mask at one bit per element instead, which spends 1/32 of a
+  float mask to skip drawing it twice. Both are exact: forward and backward use one mask.
+- **Attention** (:func:`recompute_attention`, ``attention="recompute"``): an attention function
+  registered in transformers' ``AttentionInterface`` that saves Q, K, V, the padding mask and a
+  seed, and recomputes the probabilities (and their dropout mask) in backward, as Megatron-LM's
+  selective recomputation does (Korthikanti et al. 2022). Exact. On CUDA it calls PyTorch's
+  ``scaled_dot_product_attention``, whose memory-efficient and flash kernels already keep no
+  probabilities.
+- **GELU** (:class:`CompactGELU`, ``gelu_bits=b``): keeps a ``b``-bit code of GELU's derivative
+  ``g(x) = Phi(x) + x phi(x)`` instead of its input (the authors' follow-up: Novikov et al.,
+  "Few-bit backward", ICML 2023), packed ``8/b`` codes to a byte; backward returns
+  ``dY * level(code)``. Two codes (:class:`GeluCode`):
+
+  - ``"stochastic"``: ``2^b`` equally spaced levels spanning the range of ``g``
+    (``[g(-sqrt 2), g(sqrt 2)] = [-0.1289, 1.1289]``), ``g(x)`` rounded up or down at random
+    with the probabilities that make ``E[level] = g(x)``: ``dX`` is unbiased (to 2^-17 of a
+    level step: the dither has 16 bits).
+  - ``"optimal"``: deterministic, the authors' kind: the ``2^b`` levels and their borders that
+    minimise ``E (g(x) - level)^2`` for the distribution of the module's inputs (Lloyd-Max on
+    ``g(x)``, fit on the first training batch the module sees). The authors fit borders on ``x``
+    with uniform weight; thresholds on ``g`` itself are optimal among all ``b``-bit codes of
+    ``x`` and need no ``bucketize``. Biased: ``E[dX] != dX``.
+
+  Both are arithmetic on the derivative: the forward adds one fused ``gelu_backward`` and a few
+  elementwise passes, never a gather. Bias and variance of ``dX`` against exact for ``b = 1..4``
+  on real MiniLM activations: ``scripts/gelu_bits.py`` (``results/bench/gelu_bits.md``).
+
+  **Default: 2-bit stochastic** (the reasons, from the measurements, follow in
+  :data:`DEFAULT_GELU_BITS`).
+
+**Seeds.** The dropout seeds come from the global CPU generator, the stream ``nn.Dropout`` and
+``torch.utils.checkpoint`` know: a checkpointed block's recomputed forward restores that stream
+and draws the same seed, so it makes the same masks and the same activations as the first
+forward. The seed is saved as a tensor (as :mod:`sketchprop.functional` does): were the
+recomputation to draw another seed, backward would still pair masks with the activations they
+made.
+
+**Masks.** A mask element is kept when a 16-bit random integer is at least ``round(p 2^16)`` below
+the top of its range, so the drop probability is ``p`` rounded to a multiple of 2^-16 (``0.1 ->
+0.100006``) and the kept elements are scaled by the inverse of the rounded keep probability: the
+expectation is exact. Drawing 64-bit words and splitting each into four 16-bit draws spends a
+quarter of the generator calls that ``bernoulli_`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .functional import seed_tensor
+
+__all__ = [
+    "ATTENTION",
+    "ATTENTION_NAME",
+    "DROPOUT",
+    "GELU_CODES",
+    "DEFAULT_GELU_BITS",
+    "DEFAULT_GELU_CODE",
+    "CompactGELU",
+    "GeluCode",
+    "PackedDropout",
+    "SeededDropout",
+    "gelu_derivative",
+    "is_exact_gelu",
+    "keep_mask",
+    "pack_codes",
+    "recompute_attention",
+    "register_attention",
+    "unpack_codes",
+]
+
+#: ``dropout=`` values: masks kept as floats (the model's own), regenerated from a seed, or packed.
+DROPOUT = ("stored", "seeded", "packed")
+#: ``attention=`` values.
+ATTENTION = ("stored", "recompute")
+#: ``gelu_code=`` values (see the module docstring).
+GELU_CODES = ("stochastic", "optimal")
+DEFAULT_GELU_BITS = 2
+DEFAULT_GELU_CODE = "stochastic"
+
+#: The name under which :func:`recompute_attention` is registered with transformers.
+ATTENTION_NAME = "sketchprop_recompute"
+
+# Range of GELU's derivative: its extremes are at x = -+sqrt(2), where g'(x) = phi(x) (2 - x^2) = 0.
+_G_MAX = 0.5 * (1 + math.erf(1.0)) + math.sqrt(2.0) * math.exp(-1.0) / math.sqrt(2 * math.pi)
+_G_MIN = 1.0 - _G_MAX
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds, masks and bit packing.
+
+
+def _draw_seed() -> Tensor:
+    """A seed from the global CPU generator, as a 0-d int64 tensor (see the module docstring)."""
+    return seed_tensor(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
+
+
+def _random_int16(n: int, seed: int, device) -> Tensor:
+    """``n`` uniform 16-bit integers from ``seed``: 64-bit words, each split into four."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    words = torch.randint(-(2**63), 2**63 - 1, (-(-n // 4),), dtype=torch.int64, device=device,
+                          generator=gen)
+    return words.view(torch.int16)[:n]
+
+
+def _drop_threshold(p: float) -> tuple[int, float]:
+    """``(threshold, scale)``: keep a 16-bit draw ``r`` when ``r >= threshold``; ``scale`` is the
+    inverse keep probability, so that ``E[keep * scale] = 1`` exactly. (``p = 1`` drops everything
+    before any draw; just below it, one draw in 2^16 is kept.)"""
+    dropped = min(round(p * 65536), 65535)
+    return dropped - 32768, 65536 / (65536 - dropped)
+
+
+def keep_mask(shape, p: float, seed: int, device) -> Tensor:
+    """The boolean keep mask of dropout probability ``p`` that ``seed`` makes (same seed, same
+    mask, on one device)."""
+    threshold, _ = _drop_threshold(p)
+    n = math.prod(shape)
+    return (_random_int16(n, seed, device) >= threshold).view(shape)
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Pack ``codes`` (uint8 values below ``2^bits``, ``bits`` in 1..8) into ``bits`` bytes per
+    eight codes, a flat uint8 tensor."""
+    flat = codes.reshape(-1)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    groups = flat.view(-1, 8)
+    out = torch.zeros(groups.shape[0], bits, dtype=torch.uint8, device=codes.device)
+    for j in range(8):
+        byte, shift = divmod(bits * j, 8)
+        out[:, byte] |= groups[:, j] << shift  # uint8: bits shifted past 8 fall off here ...
+        if shift + bits > 8:
+            out[:, byte + 1] |= groups[:, j] >> (8 - shift)  # ... and land in the next byte
+    return out.reshape(-1)
+
+
+def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
+    """The first ``n`` codes of :func:`pack_codes`, as a flat uint8 tensor."""
+    groups = packed.view(-1, bits)
+    out = torch.empty(groups.shape[0], 8, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    for j in range(8):
+        byte, shift = divmod(bits * j, 8)
+        value = groups[:, byte] >> shift
+        if shift + bits > 8:
+            value |= groups[:, byte + 1] << (8 - shift)
+        out[:, j] = value & mask
+    return out.view(-1)[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout.
+
+
+class _SeededDropoutFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float, seed: Tensor) -> Tensor:
+        _, scale = _drop_threshold(p)
+        ctx.p, ctx.scale = p, scale
+        ctx.save_for_backward(seed)
+        return (x * keep_mask(x.shape, p, int(seed), x.device)).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (seed,) = ctx.saved_tensors
+        keep = keep_mask(dy.shape, ctx.p, int(seed), dy.device)
+        return (dy * keep).mul_(ctx.scale), None, None
+
+
+class _PackedDropoutFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float, seed: Tensor) -> Tensor:
+        _, scale = _drop_threshold(p)
+        keep = keep_mask(x.shape, p, int(seed), x.device)
+        ctx.scale, ctx.shape = scale, x.shape
+        ctx.save_for_backward(pack_codes(keep.view(torch.uint8), 1))
+        return (x * keep).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (packed,) = ctx.saved_tensors
+        keep = unpack_codes(packed, 1, dy.numel()).view(torch.bool).view(ctx.shape)
+        return (dy * keep).mul_(ctx.scale), None, None
+
+
+class SeededDropout(nn.Dropout):
+    """``nn.Dropout`` that saves an 8-byte seed for backward instead of its mask (exact: backward
+    regenerates the forward's mask). Same ``p``, same train/eval behaviour."""
+
+    _function = _SeededDropoutFunction
+
+    @classmethod
+    def from_dropout(cls, dropout: nn.Dropout) -> SeededDropout:
+        new = cls(dropout.p, inplace=False)  # never in place: the input may be saved elsewhere
+        new.train(dropout.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if self.p == 1:
+            return x * 0
+        return self._function.apply(x, self.p, _draw_seed())
+
+
+class PackedDropout(SeededDropout):
+    """``nn.Dropout`` that saves its mask packed one bit per element (1/32 of a float mask; exact)."""
+
+    _function = _PackedDropoutFunction
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention.
+
+
+def _softmax_dtype(q: Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)  # half precision softmax in float32
+
+
+def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p: float,
+                   seed: int) -> tuple[Tensor, Tensor | None]:
+    """Softmax probabilities (in float32 at least) and the dropout keep mask (None when
+    ``p == 0``)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(_softmax_dtype(q)).mul_(scaling)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores += mask
+    probs = torch.softmax(scores, dim=-1)
+    keep = keep_mask(probs.shape, p, seed, probs.device) if p > 0 else None
+    return probs, keep
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V``; saves Q, K, V, the mask and
+    the dropout seed, and recomputes the probabilities in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor):
+        probs, keep = _probabilities(q, k, mask, scaling, p, int(seed))
+        if keep is not None:
+            probs.mul_(keep).mul_(_drop_threshold(p)[1])
+        ctx.scaling, ctx.p = scaling, p
+        ctx.save_for_backward(q, k, v, mask, seed)
+        return torch.matmul(probs.to(v.dtype), v)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, seed = ctx.saved_tensors
+        probs, keep = _probabilities(q, k, mask, ctx.scaling, ctx.p, int(seed))
+        dropped = probs
+        dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
+        if keep is not None:
+            scale = _drop_threshold(ctx.p)[1]
+            dropped = (probs * keep).mul_(scale)
+            dprobs.mul_(keep).mul_(scale)
+        dv = torch.matmul(dropped.to(v.dtype).transpose(-1, -2), dout)
+        # Softmax backward: dS = P * (dP - sum(dP * P)).
+        dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(ctx.scaling)
+        dscores = dscores.to(q.dtype)
+        dq = torch.matmul(dscores, k)
+        dk = torch.matmul(dscores.transpose(-1, -2), q)
+        return dq, dk, dv, None, None, None, None
+
+
+def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                        attention_mask: Tensor | None, scaling: float | None = None,
+                        dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """An attention function for transformers' ``AttentionInterface`` (same signature as its
+    ``eager_attention_forward``) that keeps no probabilities for backward.
+
+    On CUDA it is PyTorch's ``scaled_dot_product_attention`` (through transformers'
+    ``sdpa_attention_forward``), whose efficient kernels recompute the probabilities themselves;
+    elsewhere :class:`_RecomputedAttention` (SDPA too when there is neither a gradient to keep
+    anything for nor a dropout mask to draw). ``attention_mask`` is the boolean mask
+    of the mask function registered beside it (True: attend), or None without padding; an additive
+    float mask works too. Returns ``(output (B, L, H, D), None)``: attention weights are not
+    materialised.
+    """
+    if key.shape[1] != query.shape[1]:
+        raise ValueError("recompute_attention needs as many key/value heads as query heads, "
+                         f"got {key.shape[1]} and {query.shape[1]}")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    # A forward without grad but with dropout (a reentrant checkpoint's first pass) draws its
+    # masks as the recomputation will: through the Function, not SDPA's own generator.
+    if query.device.type == "cuda" or not (needs_grad or dropout > 0):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    autocast = torch.is_autocast_enabled(query.device.type)
+    if autocast:  # compute in the dtype autocast gives the projections' matmuls, as eager does
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    with torch.autocast(query.device.type, enabled=False):
+        out = _RecomputedAttention.apply(query, key, value, attention_mask, float(scaling),
+                                         float(dropout), _draw_seed())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _recompute_attention_mask(*args, **kwargs):
+    """transformers' boolean SDPA mask, never skipped for a causal pattern (the attention function
+    reads only the mask, never ``is_causal``); None for full attention without padding."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> str:
+    """Register :func:`recompute_attention` in transformers' ``AttentionInterface`` and its mask
+    function in ``AttentionMaskInterface`` (without the latter the model builds no mask for it and
+    padding is attended); returns the name. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, recompute_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _recompute_attention_mask)
+    return ATTENTION_NAME
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU.
+
+
+def gelu_derivative(x: Tensor) -> Tensor:
+    """``GELU'(x) = Phi(x) + x phi(x)`` in float32, by the fused kernel of GELU's own backward."""
+    x = x.float()
+    return torch.ops.aten.gelu_backward(torch.ones_like(x), x)
+
+
+@dataclass(frozen=True)
+class GeluCode:
+    """A ``bits``-bit code of GELU's derivative: ``levels`` (``2^bits`` increasing values) and, for
+    a deterministic code, the ``thresholds`` between them (a value above ``thresholds[i]`` gets a
+    code above ``i``). A stochastic code has equally spaced levels and no thresholds: values are
+    rounded to a neighbouring level at random, without bias."""
+
+    bits: int
+    levels: tuple[float, ...]
+    thresholds: tuple[float, ...] | None = None
+
+    @property
+    def stochastic(self) -> bool:
+        return self.thresholds is None
+
+    @classmethod
+    def uniform(cls, bits: int) -> GeluCode:
+        """The stochastic code: ``2^bits`` levels from ``g``'s minimum to its maximum."""
+        n = 2**bits
+        step = (_G_MAX - _G_MIN) / (n - 1)
+        return cls(bits, tuple(_G_MIN + i * step for i in range(n)))
+
+    @classmethod
+    def fit(cls, x: Tensor, bits: int, iters: int = 100) -> GeluCode:
+        """The deterministic code minimising ``mean (g(x) - level)^2`` over the sample ``x``
+        (Lloyd-Max: thresholds midway between levels, each level the mean of its cell)."""
+        x = x.detach().reshape(-1)
+        x = x[:: max(1, x.numel() // 2**20)]  # a strided sample of at most ~2^21 values
+        g = gelu_derivative(x).double().sort().values.cpu()
+        n = 2**bits
+        levels = torch.quantile(g, (torch.arange(n, dtype=torch.float64) + 0.5) / n)
+        sums = torch.cat([g.new_zeros(1), g.cumsum(0)])
+        for _ in range(iters):
+            thresholds = (levels[1:] + levels[:-1]) / 2
+            edges = torch.cat([g.new_zeros(1, dtype=torch.long),
+                               torch.searchsorted(g, thresholds, right=True),
+                               g.new_full((1,), g.numel(), dtype=torch.long)])
+            counts = edges[1:] - edges[:-1]
+            means = (sums[edges[1:]] - sums[edges[:-1]]) / counts.clamp(min=1)
+            new = torch.where(counts > 0, means, levels)  # an empty cell keeps its level
+            if torch.equal(new, levels):
+                break
+            levels = new
+        thresholds = (levels[1:] + levels[:-1]) / 2
+        return cls(bits, tuple(levels.tolist()), tuple(thresholds.tolist()))
+
+    def encode(self, g: Tensor) -> Tensor:
+        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g`` (consumed)."""
+        top = 2**self.bits - 1
+        if self.stochastic:
+            lo, step = self.levels[0], self.levels[1] - self.levels[0]
+            # code = floor((g - lo) / step + u), u = (r + 2^15 + 1/2) / 2^16 for a 16-bit r.
+            dither = _random_int16(g.numel(), int(_draw_seed()), g.device).view(g.shape)
+            v = g.mul_(1 / step).add_(32768.5 / 65536 - lo / step).add_(dither, alpha=1 / 65536)
+            return v.clamp_(0, top).to(torch.uint8)  # truncation is floor for v >= 0
+        code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
+        for t in self.thresholds:
+            code += g > t
+        return code
+
+    def decode(self, code: Tensor) -> Tensor:
+        """The level (float32) of each code."""
+        if self.stochastic:
+            lo, step = self.levels[0], self.levels[1] - self.levels[0]
+            return code.float().mul_(step).add_(lo)
+        out = torch.full(code.shape, self.levels[0], dtype=torch.float32, device=code.device)
+        for i in range(1, len(self.levels)):
+            out += (code >= i) * (self.levels[i] - self.levels[i - 1])
+        return out
+
+
+class _CompactGeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, code: GeluCode) -> Tensor:
+        codes = code.encode(gelu_derivative(x))
+        ctx.code, ctx.shape = code, x.shape
+        ctx.save_for_backward(pack_codes(codes, code.bits))
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (packed,) = ctx.saved_tensors
+        codes = unpack_codes(packed, ctx.code.bits, dy.numel()).view(ctx.shape)
+        return (dy * ctx.code.decode(codes)).to(dy.dtype), None
+
+
+class CompactGELU(nn.Module):
+    """Exact GELU forward; backward from a ``bits``-bit code of its derivative (module docstring).
+
+    ``code``: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, fit by
+    :meth:`GeluCode.fit` on the first training batch this module sees; ``fitted`` holds it).
+    """
+
+    def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE):
+        super().__init__()
+        if not (isinstance(bits, int) and 1 <= bits <= 8):
+            raise ValueError(f"gelu_bits must be an integer in 1..8 or None, got {bits!r}")
+        if code not in GELU_CODES:
+            raise ValueError(f"unknown gelu_code {code!r}; choose one of {list(GELU_CODES)}")
+        self.bits, self.code = bits, code
+        self.fitted: GeluCode | None = GeluCode.uniform(bits) if code == "stochastic" else None
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, code={self.code}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return F.gelu(x)
+        if self.fitted is None:
+            self.fitted = GeluCode.fit(x, self.bits)
+        return _CompactGeluFunction.apply(x, self.fitted)
+
+
+def is_exact_gelu(module: nn.Module) -> bool:
+    """Whether ``module`` computes the exact (erf) GELU: ``nn.GELU()`` or transformers'
+    ``GELUActivation`` (``hidden_act="gelu"``), the activations :class:`CompactGELU` replaces."""
+    if type(module) is nn.GELU:
+        return module.approximate == "none"
+    try:
+        from transformers.activations import GELUActivation
+    except ImportError:  # pragma: no cover
+        return False
+    return type(module) is GELUActivation

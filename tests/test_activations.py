@@ -1,0 +1,464 @@
+"""Compact activations (sketchprop.activations, patch_activations): exact where they can be
+(seeded and packed dropout, recomputed attention), unbiased or measured where not (GELU codes);
+reversible, composable with patch_linear, checkpointing and autocast, on BERT and RoBERTa."""
+
+import copy
+
+import pytest
+import torch
+from scipy import stats
+from test_patching import batch, tiny_roberta
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import BertConfig, BertForSequenceClassification
+
+from sketchprop import SKETCHES, patch_activations, patch_linear, unpatch_activations, unpatch_linear
+from sketchprop import activations as act
+from sketchprop.functional import seed_tensor
+from sketchprop.measure import SavedTensorMeter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FALSE_ALARM = 1e-4
+
+
+def tiny_bert(layers=2, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=40, num_labels=2,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )
+    return BertForSequenceClassification(cfg)
+
+
+MODELS = {"roberta": tiny_roberta, "bert": tiny_bert}
+
+
+def grads(model, b, checkpointing=False):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    out = model(**b)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_grads(a, b, rtol=1e-5, atol=1e-6):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=rtol, atol=atol)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=rtol, atol=atol, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces.
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 8, 13, 1000])
+def test_pack_unpack_round_trip(bits, n):
+    codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(bits))
+    packed = act.pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8) * bits
+    assert torch.equal(act.unpack_codes(packed, bits, n), codes)
+
+
+def test_keep_mask_rate_and_reproducibility():
+    p, n = 0.1, 400_000
+    keep = act.keep_mask((n,), p, seed=7, device="cpu")
+    assert torch.equal(keep, act.keep_mask((n,), p, seed=7, device="cpu"))
+    assert not torch.equal(keep, act.keep_mask((n,), p, seed=8, device="cpu"))
+    q = 1 - round(p * 65536) / 65536  # the keep probability after rounding to 16 bits
+    threshold, scale = act._drop_threshold(p)
+    assert scale * q == pytest.approx(1.0, abs=1e-12)
+    z = (keep.double().mean().item() - q) / (q * (1 - q) / n) ** 0.5
+    assert abs(z) < stats.norm.isf(FALSE_ALARM / 2)
+    # Each of the four 16-bit lanes of a 64-bit word keeps at the same rate.
+    lanes = keep.view(-1, 4).double().mean(0)
+    assert (lanes - q).abs().max() < 5 * (q * (1 - q) / (n / 4)) ** 0.5
+
+
+@pytest.mark.parametrize("kind", [act.SeededDropout, act.PackedDropout])
+def test_dropout_forward_and_backward_use_one_mask(kind):
+    drop = kind(0.5)
+    x = torch.randn(6, 50).abs().add_(0.1).requires_grad_(True)  # no zeros: y == 0 means dropped
+    g = torch.randn(6, 50)
+    y = drop(x)
+    y.backward(g)
+    keep = y.detach() != 0
+    scale = act._drop_threshold(0.5)[1]
+    assert 0.3 < keep.float().mean() < 0.7
+    torch.testing.assert_close(y.detach(), x.detach() * keep * scale, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, g * keep * scale, rtol=0, atol=0)
+    drop.eval()
+    assert drop(x) is x
+
+
+@pytest.mark.parametrize("kind", [act.SeededDropout, act.PackedDropout])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_dropout_under_checkpointing_makes_the_same_mask(kind, reentrant):
+    """The recomputed forward draws the seed the first forward drew (checkpointing restores the
+    generator it is drawn from), so the gradient equals the one of the same forward without
+    checkpointing; a mask drawn anew in the recomputation would differ."""
+    torch.manual_seed(0)
+    block = nn.Sequential(kind(0.5), nn.Tanh(), nn.Linear(40, 40))
+    x = torch.randn(8, 40)
+    out = []
+    for ck in (True, False):
+        xx = x.clone().requires_grad_(True)
+        block.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        y = checkpoint(block, xx, use_reentrant=reentrant) if ck else block(xx)
+        y.square().sum().backward()
+        out.append((y.detach(), xx.grad, block[2].weight.grad))
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def reference_attention(q, k, v, mask, scaling, p, seed):
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, -1)
+    if p > 0:
+        probs = probs * act.keep_mask(probs.shape, p, seed, "cpu") * act._drop_threshold(p)[1]
+    return probs @ v
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_recomputed_attention_is_exact(p):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=gen, dtype=torch.float64).requires_grad_(True)
+               for _ in range(3))
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
+    mask[1, ..., 5:] = False  # padding keys of the second sequence
+    seed = seed_tensor(123)
+    out = act._RecomputedAttention.apply(q, k, v, mask, 0.5, p, seed)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    ref = reference_attention(q, k, v, mask, 0.5, p, 123)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU codes.
+
+
+def test_gelu_derivative_and_range():
+    x = torch.linspace(-6, 6, 10001, dtype=torch.float64).requires_grad_(True)
+    (want,) = torch.autograd.grad(nn.functional.gelu(x).sum(), x)
+    torch.testing.assert_close(act.gelu_derivative(x), want.float())
+    assert want.min().item() == pytest.approx(act._G_MIN, abs=1e-6)
+    assert want.max().item() == pytest.approx(act._G_MAX, abs=1e-6)
+
+
+def gelu_backward_draws(bits, code, x, draws):
+    """``draws`` independent ``dX`` of CompactGELU for the rows ``x`` with ``dY = 1``."""
+    gelu = act.CompactGELU(bits, code)
+    xx = x.expand(draws, -1).clone().requires_grad_(True)
+    y = gelu(xx)
+    torch.testing.assert_close(y, nn.functional.gelu(xx), rtol=0, atol=0)  # forward is exact
+    y.backward(torch.ones_like(y))
+    return xx.grad.double()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_stochastic_gelu_code_is_unbiased(bits):
+    """Each dX element is a two-point variable with known variance step^2 f (1 - f): the sum of
+    squared z-scores of the means over N draws is chi^2 with one degree per element. A code
+    biased by a tenth of a step per element (the control) must fail the same test."""
+    x = torch.linspace(-3, 3, 100)
+    code = act.GeluCode.uniform(bits)
+    step = code.levels[1] - code.levels[0]
+    g = act.gelu_derivative(x).double()
+    frac = ((g - code.levels[0]) / step) % 1
+    var = step**2 * frac * (1 - frac)
+    use = (frac > 0.05) & (frac < 0.95)  # where the mean of N draws is close to normal
+    assert use.sum() >= 50
+    n = 4000
+    mean = gelu_backward_draws(bits, "stochastic", x, n).mean(0)
+    bound = stats.chi2.isf(FALSE_ALARM, int(use.sum()))
+
+    def chi2(target):
+        return ((mean - target)[use].square() / (var[use] / n)).sum().item()
+
+    assert chi2(g) < bound, f"chi^2 {chi2(g):.1f}, bound {bound:.1f}"
+    assert chi2(g + 0.1 * step) > bound  # power against a small bias
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_optimal_gelu_code_is_lloyd_max(bits):
+    """The fitted code is a fixed point (each level the mean of its cell, thresholds midway), its
+    error is below that of rounding to the stochastic code's grid, and it is deterministic."""
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(0)) - 0.8
+    code = act.GeluCode.fit(x, bits)
+    g = act.gelu_derivative(x).double()
+    cells = torch.bucketize(g, torch.tensor(code.thresholds, dtype=torch.float64), right=True)
+    encoded = code.encode(act.gelu_derivative(x))
+    assert torch.equal(encoded.long(), cells)
+    for i, level in enumerate(code.levels):
+        if (cells == i).any():
+            assert g[cells == i].mean().item() == pytest.approx(level, abs=1e-9)
+    decoded = code.decode(encoded).double()
+    torch.testing.assert_close(decoded, torch.tensor(code.levels, dtype=torch.float64)[cells])
+    grid = torch.tensor(act.GeluCode.uniform(bits).levels, dtype=torch.float64)
+    nearest = grid[(g[:, None] - grid).abs().argmin(1)]
+    assert (decoded - g).square().mean() < (nearest - g).square().mean()
+    a = gelu_backward_draws(bits, "optimal", x[:50], 2)
+    assert torch.equal(a[0], a[1])
+
+
+def test_compact_gelu_fits_once_and_validates():
+    gelu = act.CompactGELU(2, "optimal")
+    assert gelu.fitted is None
+    gelu(torch.randn(100, requires_grad=True))
+    fitted = gelu.fitted
+    gelu(torch.randn(100, requires_grad=True) + 5)
+    assert gelu.fitted is fitted
+    for bits in (0, 9, 2.0):
+        with pytest.raises(ValueError, match="gelu_bits"):
+            act.CompactGELU(bits)
+    with pytest.raises(ValueError, match="gelu_code"):
+        act.CompactGELU(2, "nearest")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: exact parts give the unpatched model's gradients.
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dropout", ["seeded", "packed"])
+def test_exact_parts_give_the_unpatched_gradients(family, checkpointing, dropout):
+    """Dropout probabilities 0 (so the masks are the same), a padded batch: with gelu_bits=None
+    every parameter gradient equals the unpatched model's. Padding attended to (no mask reaching
+    the attention function) would change the logits of the padded rows."""
+    model = MODELS[family](dropout=0.0)
+    ref = copy.deepcopy(model)
+    b = batch()
+    names = patch_activations(model, dropout=dropout, gelu_bits=None)
+    assert names and all(isinstance(model.get_submodule(n), act.SeededDropout) for n in names)
+    assert model.config._attn_implementation == act.ATTENTION_NAME
+    assert_same_grads(grads(model, b, checkpointing), grads(ref, b, checkpointing))
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_attention_sees_the_padding_mask(family):
+    """Without the mask function registered beside the attention function, transformers passes
+    no mask and padding is attended: this test fails then."""
+    model = MODELS[family]()
+    ref = copy.deepcopy(model)
+    b = batch()
+    patch_activations(model, dropout="stored", gelu_bits=None)
+    model.eval(), ref.eval()
+    seen = []
+    real = act.recompute_attention
+
+    def spy(module, q, k, v, mask, **kw):
+        seen.append(mask)
+        return real(module, q, k, v, mask, **kw)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(act.ATTENTION_NAME, spy)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(**b).logits, ref(**b).logits)
+    finally:
+        act.register_attention()
+    assert seen and all(m is not None and m.dtype == torch.bool for m in seen)
+    assert not seen[0][1, 0, 0, -5:].any()  # the second row's five padding keys
+
+
+def test_attention_dropout_regenerated_in_backward(monkeypatch):
+    """With attention dropout on, the model's gradients equal those of an eager reference that
+    uses the very masks the recomputing function draws (its seeds, recorded)."""
+    model = tiny_roberta(dropout=0.0)
+    model.config.attention_probs_dropout_prob = 0.3
+    for layer in model.roberta.encoder.layer:
+        layer.attention.self.dropout.p = 0.3
+    ref = copy.deepcopy(model)
+    patch_activations(model, dropout="stored", gelu_bits=None)
+    seeds, draw = [], act._draw_seed
+    monkeypatch.setattr(act, "_draw_seed", lambda: seeds.append(draw()) or seeds[-1])
+    b = batch()
+    got = grads(model, b)
+    assert len(seeds) == len(model.roberta.encoder.layer)
+
+    def eager_with_masks(module, q, k, v, mask, scaling=None, dropout=0.0, **kw):
+        out = reference_attention(q, k, v, mask, scaling, dropout, int(seeds.pop(0)))
+        return out.transpose(1, 2).contiguous(), None
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("test_eager_with_masks", eager_with_masks)
+    AttentionMaskInterface.register("test_eager_with_masks", act._recompute_attention_mask)
+    ref.set_attn_implementation("test_eager_with_masks")
+    want = grads(ref, b)
+    assert not seeds
+    assert_same_grads(got, want)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_the_same_masks(reentrant):
+    """With every dropout on (hidden and attention), a checkpointed model's gradients equal the
+    same model's without checkpointing from the same generator state: the recomputation (and a
+    reentrant checkpoint's no-grad first pass) makes the very masks the forward made."""
+    model = tiny_roberta(dropout=0.3)
+    patch_activations(model, gelu_bits=None)
+    b = batch()
+    torch.manual_seed(3)
+    plain = grads(model, b)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    torch.manual_seed(3)
+    assert_same_grads(grads(model, b), plain)
+
+
+# ---------------------------------------------------------------------------------------------
+# Surgery: reversible, composable, checked before it changes anything.
+
+
+def module_types(model):
+    return {n: type(m) for n, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_round_trip(family):
+    model = MODELS[family]()
+    types, keys = module_types(model), list(model.state_dict())
+    impl = model.config._attn_implementation
+    names = patch_activations(model)
+    assert list(model.state_dict()) == keys
+    gelus = [n for n in names if n.endswith("intermediate_act_fn")]
+    assert len(gelus) == 2 and all(isinstance(model.get_submodule(n), act.CompactGELU)
+                                   for n in gelus)
+    assert unpatch_activations(model) == names
+    assert module_types(model) == types and model.config._attn_implementation == impl
+    assert unpatch_activations(model) == []
+    assert patch_activations(model) == names  # patchable again
+
+
+@pytest.mark.parametrize("first", ["linear", "activations"])
+@pytest.mark.parametrize("sketch", sorted(SKETCHES))
+def test_composes_with_patch_linear(first, sketch):
+    """Either order, every sketch: the forward is the unpatched model's (neither part changes
+    it); with the exact sketch every gradient is too; both undo to the original modules."""
+    model = tiny_roberta()
+    ref = copy.deepcopy(model)
+    types = module_types(model)
+    b = batch()
+    steps = [lambda: patch_linear(model, sketch, rho=0.5, share_inputs=True, skip_padding=True),
+             lambda: patch_activations(model, gelu_bits=None)]
+    for step in steps if first == "linear" else steps[::-1]:
+        step()
+    got, want = grads(model, b), grads(ref, b)
+    if sketch == "exact":
+        assert_same_grads(got, want)
+    else:
+        torch.testing.assert_close(got[0], want[0])
+    unpatch_linear(model)
+    unpatch_activations(model)
+    assert module_types(model) == types
+
+
+def test_autocast_bf16():
+    model = tiny_roberta()
+    ref = copy.deepcopy(model)
+    patch_activations(model)
+    patch_linear(model, "blocksrht", rho=0.5)
+    b = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, g = grads(model, b)
+        ref_logits, _ = grads(ref, b)
+    torch.testing.assert_close(logits, ref_logits, rtol=0.05, atol=0.05)
+    assert all(torch.isfinite(v).all() for v in g.values())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dropout": "mask"}, "unknown dropout"),
+    ({"attention": "flash"}, "unknown attention"),
+    ({"gelu_bits": 0}, "gelu_bits"),
+    ({"gelu_code": "nearest"}, "gelu_code"),
+    ({"dropout": "stored", "attention": "stored", "gelu_bits": None}, "nothing to patch"),
+    ({"targets": "nothing"}, "match no nn.Dropout"),
+    ({"exclude": "intermediate", "dropout": "stored"}, "match no exact GELU"),
+    ({"targets": "("}, "not a valid regex"),
+])
+def test_bad_calls_change_nothing(kwargs, match):
+    model = tiny_roberta()
+    types, impl = module_types(model), model.config._attn_implementation
+    with pytest.raises(ValueError, match=match):
+        patch_activations(model, **kwargs)
+    assert module_types(model) == types and model.config._attn_implementation == impl
+    assert not hasattr(model, "_sketchprop_activations")
+
+
+def test_attention_needs_a_transformers_model_and_patching_twice_raises():
+    plain = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Dropout(0.1))
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        patch_activations(plain)
+    assert type(plain[1]) is nn.GELU
+    assert patch_activations(plain, attention="stored") == ["1", "2"]
+    with pytest.raises(ValueError, match="already patched"):
+        patch_activations(plain, attention="stored")
+
+
+# ---------------------------------------------------------------------------------------------
+# What backward keeps.
+
+
+def test_saved_bytes_are_the_codes_and_seeds():
+    """The meter sees exactly the packed codes, the seeds and the packed masks."""
+    x = torch.randn(3, 100, requires_grad=True)
+    n = x.numel()
+    for module, want in [(act.CompactGELU(3), -(-n // 8) * 3), (act.SeededDropout(0.1), 8),
+                         (act.PackedDropout(0.1), -(-n // 8))]:
+        with SavedTensorMeter() as meter:
+            module(x)
+        assert meter.bytes == want, type(module).__name__
+
+
+def saved_bytes(model, b):
+    torch.manual_seed(0)
+    with SavedTensorMeter(model) as meter:
+        model(**b).loss.backward()
+    return meter.bytes
+
+
+def test_compact_model_saves_less():
+    b = batch(length=32)
+    sizes = {}
+    for name, kwargs in [("exact", None), ("dropout", {"attention": "stored", "gelu_bits": None}),
+                         ("attention", {"dropout": "stored", "gelu_bits": None}),
+                         ("gelu", {"dropout": "stored", "attention": "stored"}), ("all", {})]:
+        model = tiny_roberta(dropout=0.1)
+        if kwargs is not None:
+            patch_activations(model, **kwargs)
+        sizes[name] = saved_bytes(model, b)
+    assert all(sizes[k] < sizes["exact"] for k in ("dropout", "attention", "gelu"))
+    assert sizes["all"] < min(sizes[k] for k in ("dropout", "attention", "gelu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_exact_parts_and_no_probabilities_kept():
+    """On CUDA: masks reproduce from their seed, the exact parts give the unpatched gradients,
+    and no tensor of the attention probabilities' size is saved (SDPA's kernels keep none)."""
+    assert torch.equal(act.keep_mask((1000,), 0.1, 5, "cuda"), act.keep_mask((1000,), 0.1, 5, "cuda"))
+    model = tiny_roberta(dropout=0.0).cuda()
+    ref = copy.deepcopy(model)
+    b = {k: v.cuda() for k, v in batch().items()}
+    patch_activations(model, gelu_bits=None)
+    assert_same_grads(grads(model, b), grads(ref, b), rtol=1e-4, atol=1e-5)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t,
+                                                  lambda t: t):
+        model(**b).loss.backward()
+    heads, length = model.config.num_attention_heads, b["input_ids"].shape[1]
+    assert not [s for s in shapes if tuple(s[-3:]) == (heads, length, length)]
