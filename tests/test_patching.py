@@ -376,19 +376,26 @@ def test_gpt2_skip_padding_exact_sketch_gives_exact_gradient_and_fewer_rows():
         assert stored == sorted([real * model.get_submodule(name).in_features * 4, real * 8]), name
 
 
-def _layer_records(model, data):
-    """``(nbytes, names)`` of each storage the RandomizedLinear layers save in one training
-    forward, with the names of the layers that save it (several for a shared one)."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, RandomizedLinear)}
+def _labelled_records(model, data, modules):
+    """``(nbytes, labels)`` of each storage saved in one training forward (then run backward),
+    labelled with the names of ``modules`` (name: module) that were running when it was saved."""
     with SavedTensorMeter(model) as meter:
-        hooks = [h for n, m in layers.items() for h in (
+        hooks = [h for n, m in modules.items() for h in (
             m.register_forward_pre_hook(lambda *a, n=n: setattr(meter, "label", n)),
             m.register_forward_hook(lambda *a: setattr(meter, "label", None)))]
         loss = model(**data).loss
     for h in hooks:
         h.remove()
     loss.backward()
-    return [(nbytes, labels - {None}) for nbytes, labels in meter.records if labels - {None}]
+    return meter.records
+
+
+def _layer_records(model, data):
+    """``(nbytes, names)`` of each storage the RandomizedLinear layers save in one training
+    forward, with the names of the layers that save it (several for a shared one)."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, RandomizedLinear)}
+    return [(nbytes, labels - {None}) for nbytes, labels in _labelled_records(model, data, layers)
+            if labels - {None}]
 
 
 def _bytes_by_layer(model, data):

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from scipy import stats
 from test_layers import FALSE_ALARM, MIN_POWER, SCALE_ERROR, Scaled, hotelling
-from test_patching import _layer_records, batch, tiny_roberta
+from test_patching import _labelled_records, _layer_records, batch, tiny_roberta
 from torch import nn
 
 from sketchprop import SKETCHES, RandomizedLinear, patch_linear, unpatch_linear
@@ -67,17 +67,8 @@ def test_lora_dropout_gives_each_adapter_its_own_sketch():
 
 def _records_by_module(model, data, modules):
     """Sorted sizes of the storages saved while each of ``modules`` (name: module) runs."""
-    from sketchprop.measure import SavedTensorMeter
-
-    with SavedTensorMeter(model) as meter:
-        hooks = [h for n, m in modules.items() for h in (
-            m.register_forward_pre_hook(lambda *a, n=n: setattr(meter, "label", n)),
-            m.register_forward_hook(lambda *a: setattr(meter, "label", None)))]
-        loss = model(**data).loss
-    for h in hooks:
-        h.remove()
-    loss.backward()
-    return {n: sorted(nbytes for nbytes, labels in meter.records if n in labels) for n in modules}
+    records = _labelled_records(model, data, modules)
+    return {n: sorted(nbytes for nbytes, labels in records if n in labels) for n in modules}
 
 
 def test_exact_sketch_on_the_adapters_gives_the_lora_gradients():
