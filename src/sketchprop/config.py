@@ -189,6 +189,9 @@ class AdapterConfig:
                self.dropout, "a probability in [0, 1)")
         _check(bool(self.target_modules), "adapter.target_modules", self.target_modules,
                "a list of module names, e.g. [query, value]")
+
+
+@dataclass
 class ActivationsConfig:
     """What backward keeps besides the linear inputs (``sketchprop.patch_activations``). The
     defaults keep everything as the model does (``activations=stored``); ``activations=compact``
@@ -320,8 +323,8 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="schema", name="config", node=Config)
     for group, node in [("task", TaskConfig), ("model", ModelConfig), ("method", MethodConfig),
-                        ("adapter", AdapterConfig), ("train", TrainConfig),
-                        ("activations", ActivationsConfig), ("train", TrainConfig),
+                        ("adapter", AdapterConfig), ("activations", ActivationsConfig),
+                        ("train", TrainConfig),
                         ("logger", LoggerConfig)]:
         cs.store(group="schema", name=group, node=node)
     OmegaConf.register_new_resolver("sp.repo", lambda: str(REPO_ROOT), replace=True)

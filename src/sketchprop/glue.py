@@ -10,7 +10,6 @@ A task is described by its config (``configs/task/*.yaml``, schema
 from __future__ import annotations
 
 import functools
-import math
 import os
 import random
 import socket
@@ -19,6 +18,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
+
+from .metrics import glue_metrics
 
 __all__ = [
     "GlueDataError",
@@ -58,11 +59,6 @@ TSV_COLUMNS: dict[str, dict[str, str | int]] = {
 
 class GlueDataError(RuntimeError):
     """The task's data cannot be found or read; the message says how to fix it."""
-
-
-def _value(x):
-    """An enum member's value (config enums), or ``x`` itself."""
-    return getattr(x, "value", x)
 
 
 def _how_to_fix(task) -> str:
@@ -263,39 +259,6 @@ def tokenize(data, tokenizer, task, max_length: int):
 
     return data.map(encode, batched=True, remove_columns=list(task.text_columns),
                     desc="tokenize")
-
-
-def glue_metrics(task, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float | None]:
-    """The task's metrics, x100, named as in the paper (``matthews``, ``accuracy``, ``f1``,
-    ``pearson``, ``spearman``). ``predictions`` are logits (or scores for regression).
-
-    A correlation of constant predictions is undefined: reported as None.
-    """
-    from scipy.stats import pearsonr, spearmanr
-    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
-
-    predictions = np.asarray(predictions)
-    labels = np.asarray(labels)
-    if task.regression:
-        preds = predictions.reshape(-1).astype(np.float64)
-    else:
-        preds = predictions.argmax(-1) if predictions.ndim > 1 else predictions
-    scores = {
-        "matthews": lambda: matthews_corrcoef(labels, preds),
-        "accuracy": lambda: accuracy_score(labels, preds),
-        "f1": lambda: f1_score(labels, preds),
-        "pearson": lambda: pearsonr(preds, labels)[0],
-        "spearman": lambda: spearmanr(preds, labels)[0],
-    }
-    out = {}
-    for metric in task.metrics:
-        name = _value(metric)
-        if name in ("pearson", "spearman") and (np.ptp(preds) == 0 or np.ptp(labels) == 0):
-            out[name] = None
-            continue
-        value = float(scores[name]()) * 100
-        out[name] = value if math.isfinite(value) else None
-    return out
 
 
 def compute_metrics(task):

@@ -8,7 +8,7 @@
 
 The configuration is the task (``cola``, ``sst2``, ``mrpc``, ``qqp``, ``stsb``, ``mnli``, ``qnli``,
 ``rte``, ``wnli``). Predictions are class ids, or scores for ``stsb``. The definitions are those of
-:func:`sketchprop.glue.glue_metrics`: scikit-learn's Matthews correlation, accuracy and binary F1,
+:func:`sketchprop.metrics.glue_metrics`: scikit-learn's Matthews correlation, accuracy and binary F1,
 scipy's Pearson and Spearman correlations, all x100 and named as in the paper (the hub's ``glue``
 metric, which needs the hub, reports fractions under other names). A correlation of constant
 predictions is undefined and reported as None.
@@ -23,7 +23,7 @@ import datasets
 import evaluate
 import numpy as np
 
-from sketchprop.glue import glue_metrics
+from sketchprop.metrics import glue_metrics
 
 #: This file: what ``evaluate.load`` is given.
 PATH = str(Path(__file__).resolve())
