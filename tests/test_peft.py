@@ -149,3 +149,32 @@ def test_unpatch_round_trip():
     assert list(model.state_dict()) == keys
     merged = model.merge_and_unload()  # peft's own surgery still works on the unpatched model
     assert not any("lora" in name for name, _ in merged.named_modules())
+
+
+def test_compact_activations_on_a_lora_model_are_exact_and_reversible():
+    """patch_activations on a peft model switches the attention function of the model it wraps;
+    with gelu_bits=None (and dropout 0, so both models use the same masks) the adapters' and the
+    head's gradients equal those of the unpatched LoRA model, also with the adapters sketched."""
+    import copy
+
+    from sketchprop import activations as act
+    from sketchprop import patch_activations, unpatch_activations
+
+    model = lora_roberta()
+    ref = copy.deepcopy(model)
+    data = batch()
+    assert patch_activations(model, gelu_bits=None)
+    assert model.get_base_model().config._attn_implementation == act.ATTENTION_NAME
+    logits, grads = logits_and_grads(model, data)
+    ref_logits, ref_grads = logits_and_grads(ref, data)
+    torch.testing.assert_close(logits, ref_logits)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    patch_linear(model, "exact", 1.0, targets=r"lora_A")  # the sketch's reference path composes
+    _, grads = logits_and_grads(model, data)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    unpatch_linear(model)
+    unpatch_activations(model)
+    assert model.get_base_model().config._attn_implementation == \
+        ref.get_base_model().config._attn_implementation

@@ -250,19 +250,25 @@ def _is_dropout(module: nn.Module) -> bool:
     return type(module) is nn.Dropout
 
 
-def _check_attention(model: nn.Module) -> None:
-    """Raise unless ``model`` is a transformers model whose attention function can be switched
-    through ``AttentionInterface``."""
+def _attention_owner(model: nn.Module) -> nn.Module:
+    """The transformers model whose attention function ``model`` calls: ``model`` itself, or the
+    base model a wrapper holds (a peft model's ``get_base_model()``). Raises unless its attention
+    can be switched through ``AttentionInterface``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover
         PreTrainedModel = None  # noqa: N806
-    if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
+    owner = model
+    if PreTrainedModel is not None and not isinstance(owner, PreTrainedModel) \
+            and callable(getattr(owner, "get_base_model", None)):
+        owner = owner.get_base_model()
+    if PreTrainedModel is None or not isinstance(owner, PreTrainedModel):
         raise ValueError(f"attention='recompute' needs a transformers PreTrainedModel, got "
                          f"{type(model).__name__}; pass attention='stored'")
-    if not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not call its attention through "
+    if not owner._can_set_attn_implementation():
+        raise ValueError(f"{type(owner).__name__} does not call its attention through "
                          "transformers' AttentionInterface; pass attention='stored'")
+    return owner
 
 
 def patch_activations(
@@ -333,13 +339,13 @@ def patch_activations(
         for n in names:
             new[n] = act.CompactGELU(gelu_bits, gelu_code).train(model.get_submodule(n).training)
     if attention == "recompute":
-        _check_attention(model)
+        owner = _attention_owner(model)
 
     new = {n: new[n] for n, _ in model.named_modules() if n in new}  # module order
     state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None}
     if attention == "recompute":
-        state["attention"] = model.config._attn_implementation
-        model.set_attn_implementation(act.register_attention())
+        state["attention"] = owner.config._attn_implementation
+        owner.set_attn_implementation(act.register_attention())
     setattr(model, _ACTIVATIONS, state)
     return _swap(model, new)
 
@@ -352,6 +358,6 @@ def unpatch_activations(model: nn.Module) -> list[str]:
         return []
     names = _swap(model, state["modules"])
     if state["attention"] is not None:
-        model.set_attn_implementation(state["attention"])
+        _attention_owner(model).set_attn_implementation(state["attention"])
     delattr(model, _ACTIVATIONS)
     return names
