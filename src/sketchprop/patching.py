@@ -65,10 +65,11 @@ def _no_match(what: str, targets, exclude, model: nn.Module, kind, by: str) -> V
     """Why nothing was selected: how many modules of the kind the model has, and the types of the
     matched modules that hold weights of their own (a layer type the surgery does not know)."""
     count = sum(kind(m) for m in model.modules())
-    others = Counter(type(mod).__name__ for name in _select(model, lambda m: not kind(m), targets,
-                                                            exclude)
-                     if next((mod := model.get_submodule(name)).parameters(recurse=False), None)
-                     is not None)
+    def other_layer(m: nn.Module) -> bool:
+        return not kind(m) and next(m.parameters(recurse=False), None) is not None
+
+    others = Counter(type(model.get_submodule(name)).__name__
+                     for name in _select(model, other_layer, targets, exclude))
     message = f"targets={targets!r} exclude={exclude!r} match no {what} (the model has {count})"
     if others:
         listed = ", ".join(f"{name} ({n})" for name, n in sorted(others.items()))
