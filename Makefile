@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu memory tables budget architectures
+.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu lora-cpu memory tables budget architectures
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -111,6 +111,14 @@ seeds-cpu: install  ## more seeds where the CPU tables make claims: CoLA exact, 
 	$(TRAIN) -m experiment=table4_cpu method=importance scheme=ours method.rho=0.1 method.allocate=variance train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.2 train.seed=1,2,3 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=stsb,sst2 method=exact,$(REC),importance scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
+
+compact-cpu: install  ## compact activations on this CPU: CoLA REC 0.1 and 0.2 with activations=compact, 3 seeds; MRPC, STS-B 0.2, 1 seed (data/glue)
+	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours activations=compact method.rho=0.1,0.2 train.seed=1,2,3 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb method=$(REC) scheme=ours activations=compact method.rho=0.2 $(ARGS)
+
+lora-cpu: install  ## LoRA on this CPU: its learning rate on CoLA (3 rates, seed 1), then LoRA and LoRA + REC 0.1, 3 seeds (data/glue)
+	$(TRAIN) -m experiment=tune_cpu_lora $(ARGS)
+	$(TRAIN) -m experiment=lora_cpu method=exact,$(REC) scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
 
 figure4: install  ## Figure 4 at paper scale (GPU, hub): variance of layer 6 during CoLA training
 	$(TRAIN) experiment=figure4 $(ARGS)

@@ -82,9 +82,17 @@ COMPARISONS = [
     ("cola", IMPORTANCE_ALLOC, EXACT),
     ("cola", IMPORTANCE_ALLOC, REC),
     ("cola", key_of("blocksrht", "ours+ckpt", 0.1), REC),
+    # Compact activations: their own cost at 0.1, and 0.2 with them (fewer bytes than 0.1 alone)
+    # against exact.
+    ("cola", key_of("blocksrht", "ours+compact", 0.1), REC),
+    ("cola", key_of("blocksrht", "ours+compact", 0.2), EXACT),
     *[(task, method, baseline) for task in ("mrpc", "stsb", "sst2")
       for method, baseline in ((IMPORTANCE, REC), (IMPORTANCE, EXACT), (REC, EXACT))],
+    *[(task, key_of("blocksrht", "ours+compact", 0.2), EXACT) for task in ("mrpc", "stsb")],
 ]
+# LoRA (experiment=lora_cpu, its own learning rate): the sketch on the adapters against LoRA alone.
+LORA = key_of("exact", "lora")
+LORA_COMPARISONS = [("cola", key_of("blocksrht", "lora+ours", 0.1), LORA)]
 
 # The paper's Table 4 (Bershatsky et al. 2022), as the authors' saved notebook output gives it:
 # CoLA, roberta-base, Matthews corr. x100 at the best of 10 epochs, and the 10-epoch training time
@@ -172,14 +180,23 @@ def _differences(a, b, prefix: str = "") -> list[str]:
 def scheme(run: dict) -> str:
     """``paper`` (per-layer sketches, padding included) or ``ours``, from the run's config;
     ``+alloc`` when rows were allocated by variance, ``+ckpt`` when the run used activation
-    checkpointing."""
-    ckpt = run.get("identity", {}).get("train", {}).get("gradient_checkpointing", False)
-    if run["sketch"] == "exact":
-        return "ckpt" if ckpt else "-"
-    method = run.get("config", {}).get("method", {})
-    layout = "ours" if method.get("share_inputs") and method.get("skip_padding") else "paper"
-    alloc = method.get("allocate", "uniform") == "variance"
-    return layout + ("+alloc" if alloc else "") + ("+ckpt" if ckpt else "")
+    checkpointing, ``+compact`` with compact activations (``activations=compact``), and
+    ``lora+`` in front for a LoRA adapter. The exact model's layout is ``-`` alone, else these
+    parts joined: ``lora+ckpt``."""
+    ident = run.get("identity", {})
+    parts = ["lora"] if ident.get("adapter", {}).get("name", "none") != "none" else []
+    if run["sketch"] != "exact":
+        method = run.get("config", {}).get("method", {})
+        parts.append("ours" if method.get("share_inputs") and method.get("skip_padding")
+                     else "paper")
+        if method.get("allocate", "uniform") == "variance":
+            parts.append("alloc")
+    if ident.get("train", {}).get("gradient_checkpointing", False):
+        parts.append("ckpt")
+    # runs.identity leaves the activations out at their neutral (stored) value.
+    if "activations" in ident:
+        parts.append("compact")
+    return "+".join(parts) or "-"
 
 
 def score(run: dict, best: bool = True) -> float | None:
@@ -217,8 +234,9 @@ def fmt_score(values: list[float]) -> str:
 
 #: What a paired comparison lets differ; everything else in two runs' identities (task, model,
 #: training recipe, data) must match. The method is what is compared, the seed is what pairs, and
-#: activation checkpointing changes what is kept for backward, not the model, data or recipe.
-NOT_PAIRING = ("method", "seed", "train.gradient_checkpointing")
+#: activation checkpointing and compact activations change what is kept for backward, not the
+#: model, data or recipe.
+NOT_PAIRING = ("method", "seed", "train.gradient_checkpointing", "activations")
 
 
 def pairing_recipe(run: dict) -> dict:
@@ -435,7 +453,7 @@ def fmt_ratio(st: dict | None) -> str:
 def table2(runs: list[dict], experiment: str, stem: Path, majority: dict | None = None) -> None:
     # The paper's Gaussian and the recommended sketch, without checkpointing (that is Table 4's).
     runs = [r for r in runs if r["_experiment"] == experiment and r["sketch"] in TABLE2_SKETCHES
-            and not scheme(r).endswith("ckpt")]
+            and "ckpt" not in scheme(r).split("+")]
     if not runs:
         return
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in runs)]
@@ -510,11 +528,13 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
             step_name, layer_name = "exact", "nn.Linear"
         else:
             # The benchmark times MiniLM steps without checkpointing, and one layer alone: no
-            # ratio of either stands for a checkpointed row.
+            # ratio of either stands for a checkpointed row, nor the layer for a compact one.
             step_name = {"paper": f"paper@{rho:g}" if sketch == "gaussian" else None,
                          "ours": f"ours-{sketch}@{rho:g}",
-                         "ours+alloc": f"ours-{sketch}+alloc@{rho:g}"}.get(layout)
-            layer_name = None if layout.endswith("ckpt") else f"{sketch}@{rho:g}"
+                         "ours+alloc": f"ours-{sketch}+alloc@{rho:g}",
+                         "ours+compact": f"ours-{sketch}+compact@{rho:g}"}.get(layout)
+            layer_name = (f"{sketch}@{rho:g}" if layout in ("paper", "ours", "ours+alloc")
+                          else None)
         rows.append([
             sketch, layout, f"{rho:g}" if sketch != "exact" else "-",
             fmt_score([score(r) for r in rs]),
@@ -548,17 +568,19 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
         + "\n\n" + describe(runs)))
 
 
-def comparisons(runs: list[dict], experiment: str, stem: Path) -> None:
-    """Each of :data:`COMPARISONS` paired by seed: the differences, their mean and standard error,
-    the 95% t-interval and a verdict (:func:`verdict`)."""
+def comparisons(runs: list[dict], experiment: str, stem: Path,
+                wanted: list[tuple] = COMPARISONS,
+                title: str = "Paired comparisons of the recommended configurations") -> None:
+    """Each of ``wanted`` (task, method, baseline) paired by seed: both scores, the differences,
+    their mean and standard error, the 95% t-interval and a verdict (:func:`verdict`)."""
     runs = [r for r in runs if r["_experiment"] == experiment]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in runs:
         groups[(r["task"], method_key(r))].append(r)
-    header = ["task", "method", "baseline", "n pairs", "seeds", "difference per seed",
-              "mean difference", "SE", "95% interval", "verdict"]
+    header = ["task", "method", "baseline", "method score", "baseline score", "n pairs", "seeds",
+              "difference per seed", "mean difference", "SE", "95% interval", "verdict"]
     rows, used, absent = [], [], []
-    for task, method, baseline in COMPARISONS:
+    for task, method, baseline in wanted:
         ours, base = groups.get((task, method), []), groups.get((task, baseline), [])
         name = f"{TASK_NAMES.get(task, task)} {method_label(method)} vs {method_label(baseline)}"
         if not ours or not base:
@@ -571,7 +593,8 @@ def comparisons(runs: list[dict], experiment: str, stem: Path) -> None:
             low, high = p.interval()
             interval = f"[{low:+.2f}, {high:+.2f}]"
         rows.append([
-            TASK_NAMES.get(task, task), method_label(method), method_label(baseline), p.n,
+            TASK_NAMES.get(task, task), method_label(method), method_label(baseline),
+            fmt_score([score(r) for r in ours]), fmt_score([score(r) for r in base]), p.n,
             ", ".join(map(str, p.seeds)) or "-", " / ".join(f"{d:+.2f}" for d in p.diffs) or "-",
             f"{p.mean:+.2f}" if p.n > 1 else "-", f"{p.se:.2f}" if p.n > 1 else "-", interval,
             verdict(p)])
@@ -579,18 +602,20 @@ def comparisons(runs: list[dict], experiment: str, stem: Path) -> None:
         return
     unique = list({r["_path"]: r for r in used}.values())
     write_table(stem, header, rows, (
-        f"# Paired comparisons of the recommended configurations ({experiment})\n\n"
-        "Dev score x100 at the best epoch (the tables' score). Runs are paired by seed: seed s "
-        "gives a method and its baseline the same classifier initialisation and the same data "
-        "order, so the difference of their two runs is free of that part of the seed-to-seed "
-        "spread; only seeds both have pair. Paired runs share task, model, training recipe and "
-        "data (activation checkpointing may differ: it changes what is kept for backward, not "
-        "the model, data or recipe). 'mean difference' is method minus baseline, 'SE' the sample "
-        "sd of the differences / sqrt(n), the interval the mean ± t(0.975, n-1) SE (Student t "
-        "with n-1 degrees of freedom, which takes the differences as roughly normal). Verdict: "
-        "'higher' or 'lower' when the interval excludes 0; 'no difference measured' when it "
-        "includes 0, which is not a finding of equality (a few seeds give a wide interval); "
-        "'n<2: no claim' with fewer than two pairs."
+        f"# {title} ({experiment})\n\n"
+        "Dev score x100 at the best epoch (the tables' score); 'method score' and 'baseline "
+        "score' are each side's mean ± sample sd over all its seeds, paired or not. Runs are "
+        "paired by seed: seed s gives a method and its baseline the same classifier "
+        "initialisation and the same data order, so the difference of their two runs is free of"
+        " that part of the seed-to-seed spread; only seeds both have pair. Paired runs share "
+        "task, model, training recipe and data (activation checkpointing and compact "
+        "activations may differ: they change what is kept for backward, not the model, data or "
+        "recipe). 'mean difference' is method minus baseline, 'SE' the sample sd of the "
+        "differences / sqrt(n), the interval the mean ± t(0.975, n-1) SE (Student t with n-1 "
+        "degrees of freedom, which takes the differences as roughly normal). Verdict: 'higher' "
+        "or 'lower' when the interval excludes 0; 'no difference measured' when it includes 0, "
+        "which is not a finding of equality (a few seeds give a wide interval); 'n<2: no claim'"
+        " with fewer than two pairs."
         + (" Declared in scripts/make_tables.py but without runs here: " + "; ".join(absent) + "."
            if absent else "")
         + "\n\n" + describe(unique)))
@@ -613,14 +638,19 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
     table = [r for r in runs if r["_experiment"] == pool and r["sketch"] == "exact"
              and r["seed"] == 1 and r["task"] in tasks and (r["task"], *_recipe(r)) not in tried]
     rows, best = [], {}
-    for t in tasks:
-        these = sorted([r for r in tuned + table if r["task"] == t], key=lambda r: _recipe(r)[::-1])
+    # Each model variant (full fine-tuning, LoRA) is tuned on its own.
+    for t, variant in sorted({(r["task"], scheme(r)) for r in tuned},
+                             key=lambda tv: (TASK_ORDER.index(tv[0]), tv[1])):
+        these = sorted([r for r in tuned + table if r["task"] == t and scheme(r) == variant],
+                       key=lambda r: _recipe(r)[::-1])
         lr, bs, ep = _recipe(max(these, key=lambda r: score(r) or -math.inf))
-        best[t] = f"{t} lr {lr:g} batch {bs} {ep:g} epochs"
+        name = "exact" if variant == "-" else f"exact ({variant})"
+        best[t, variant] = (t if variant == "-" else f"{t} {name}") + (
+            f" lr {lr:g} batch {bs} {ep:g} epochs")
         for r in these:
             per_epoch = ", ".join(f"{h.get(METRIC[t], math.nan):.2f}" for h in r["history"])
             lr, bs, ep = _recipe(r)
-            rows.append([t, r["sketch"], f"{lr:g}", str(bs), f"{ep:g}", f"{score(r):.2f}", per_epoch,
+            rows.append([t, name, f"{lr:g}", str(bs), f"{ep:g}", f"{score(r):.2f}", per_epoch,
                          r["_experiment"]])
     write_table(out / "tuning", ["task", "method", "learning rate", "batch", "epochs", "best-epoch score",
                                  "score per epoch", "runs"], rows, (
@@ -628,9 +658,11 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
         "The exact MiniLM on dev at a few learning rates, batch sizes and epoch counts, with the CPU "
         "recipe otherwise (configs/train/cpu.yaml, configs/setup/cpu.yaml; rows from runs/" + pool
         + " are table2_cpu's own exact run). Highest dev score per task at: "
-        + ", ".join(best[t] for t in tasks) + ". The rate in configs/train/cpu.yaml "
+        + ", ".join(best.values()) + ". The rate in configs/train/cpu.yaml "
         "(chosen on CoLA) is fixed for every task, sketch and rate; results/README.md says why "
-        "other tasks' checks did not change it.\n\n" + describe(tuned)))
+        "other tasks' checks did not change it. LoRA (adapter=lora) trains far fewer weights and "
+        "was tuned on its own, once, on CoLA; its rate is fixed in "
+        "configs/experiment/lora_cpu.yaml.\n\n" + describe(tuned)))
 
 
 def load_memory(memory_dir: Path) -> list[dict]:
@@ -643,16 +675,30 @@ def _peak(rec: dict) -> int | None:
     return (rec.get("peak_memory") or {}).get("peak_bytes")
 
 
-def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str, str]]:
+def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None, str | None]]:
     """A point's method families: (label, key, record without a sketch, records by rate, bench name
-    without a sketch, bench name prefix at a rate). 'ckpt+ours' only where the point has it."""
+    without a sketch, bench name prefix at a rate). Each family beyond the paper's layout and ours
+    only where the point has it; a family whose sketch-free variant was not measured (compact
+    activations alone) has an empty record there, and LoRA has no bench names (not timed)."""
     sketch = next((rec.get("patch", {}).get("sketch") for rec in p.get("ours", {}).values()),
                   "blocksrht")
     fams = [("paper layout (Gaussian)", "paper", p["exact"], p["paper"], "exact", "paper"),
             (f"ours ({sketch})", "ours", p["exact"], p["ours"], "exact", f"ours-{sketch}")]
-    if p.get("ckpt") and p.get("ckpt+ours"):
-        fams.append((f"checkpointing + ours ({sketch})", "ckpt+ours", p["ckpt"], p["ckpt+ours"],
-                     "ckpt", f"ckpt+ours-{sketch}"))
+    optional = [
+        (f"checkpointing + ours ({sketch})", "ckpt+ours", p.get("ckpt"), "ckpt",
+         f"ckpt+ours-{sketch}"),
+        (f"ours ({sketch}) + compact activations", "ours+compact", {}, "compact",
+         f"ours-{sketch}+compact"),
+        (f"checkpointing + ours ({sketch}) + compact activations", "ckpt+ours+compact", {}, None,
+         f"ckpt+ours-{sketch}+compact"),
+        (f"LoRA + ours ({sketch})", "lora+ours", p.get("lora"), None, None),
+        (f"LoRA + ours ({sketch}) + compact activations", "lora+ours+compact", {}, None, None),
+    ]
+    for label, key, base, base_name, prefix in optional:
+        if p.get(key) and base is not None:
+            fams.append((label, key, base, p[key], base_name, prefix))
+    if p.get("lora+ckpt"):
+        fams.append(("LoRA + checkpointing", "lora+ckpt", p["lora+ckpt"], {}, None, None))
     return fams
 
 
@@ -681,14 +727,14 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
             recs = [base] + [by_rate.get(f"{r:g}", {}) for r in RATES]
             saved = [rec.get("saved_activation_bytes") for rec in recs]
             peaks = [_peak(rec) for rec in recs]
-            times = [step.get(base_name)] + [step.get(f"{prefix}@{r:g}") for r in RATES]
+            times = [step.get(base_name)] + [step.get(prefix and f"{prefix}@{r:g}") for r in RATES]
             rows.append([
                 f"{p['task']} ({p['batch_size']})", f"{p['real_tokens']} / {p['padded_tokens']}",
                 label,
                 " / ".join("-" if v is None else f"{v / 2**20:.0f}" for v in saved),
                 " / ".join("-" if v is None else f"{1 - v / exact:.0%}" for v in saved),
                 " / ".join(f"{1 - p['limit'][f'{r:g}'] / exact:.0%}" for r in RATES)
-                if key != "ckpt+ours" and "limit" in p else "-",
+                if key in ("paper", "ours") and "limit" in p else "-",
                 " / ".join("-" if v is None else f"{v / 2**20:.0f}" for v in peaks)
                 if any(peaks) else "-",
                 " / ".join("-" if v is None or not exact_peak else f"{1 - v / exact_peak:.0%}"
@@ -721,7 +767,13 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
         "weights, on batches with the real tasks' token lengths (dynamic padding, max length 512). "
         "'none' is the method without a sketch: the exact model for the paper's layout and ours, "
         "activation checkpointing alone (HF gradient checkpointing, non-reentrant: each encoder "
-        "layer keeps its input and recomputes the rest in backward) for 'checkpointing + ours'. "
+        "layer keeps its input and recomputes the rest in backward) for 'checkpointing + ours', "
+        "LoRA alone for 'LoRA + ours', not measured ('-') where the family's sketch-free variant "
+        "is not a row of its own. 'compact activations': patch_activations' defaults (dropout "
+        "masks from seeds, attention probabilities recomputed in backward, 2-bit GELU codes). "
+        "'LoRA': peft LoRA as adapter=lora trains it (configs/adapter/lora.yaml: r 8 on query "
+        "and value, weights frozen), with ours on the adapters' lora_A inputs; its peak holds "
+        "gradients and AdamW state of the adapters and the head only. "
         "Savings are against the exact model; the analytic limit stores every patched linear "
         "input at exactly rho and nothing else changes. 'peak' is the peak memory of one "
         "steady-state training step in a fresh process "
@@ -1015,6 +1067,8 @@ def main(argv: list[str] | None = None) -> None:
     bench = results / "bench"
     table4(runs, args.cpu_experiment, tables / "table4", bench)
     comparisons(runs, args.cpu_experiment, tables / "comparisons")
+    comparisons(runs, "lora_cpu", tables / "lora", LORA_COMPARISONS,
+                "LoRA with and without the sketch on its adapters")
     table2(runs, "table2", tables / "table2_roberta")
     table4(runs, "table4", tables / "table4_roberta", bench)
     table3_runs(runs, "table3", tables / "table3_roberta")

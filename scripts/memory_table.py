@@ -24,9 +24,12 @@ encoder layer keeps only its input and recomputes the rest in backward) and ``ck
 checkpointing keeps: the non-reentrant variant saves each layer's inputs through them
 (``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one);
 ``ours+compact`` and ``ckpt+ours+compact`` (the same, then ``patch_activations`` with its defaults:
-dropout masks from seeds, attention recomputed in backward, 2-bit GELU codes). The
-analytic limit is the exact model's bytes with every input that only the patched linear layers
-save stored at exactly rho of its size.
+dropout masks from seeds, attention recomputed in backward, 2-bit GELU codes); ``lora``,
+``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
+pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
+the adapters' ``lora_A`` inputs), whose peak holds gradients and AdamW state only for the adapters
+and the head. The analytic limit is the exact model's bytes with every input that only the patched
+linear layers save stored at exactly rho of its size.
 
 Points: ``table3`` (the paper's: MRPC 128, SST-2 256, QNLI 16, CoLA 256) and ``figure3`` (CoLA,
 batch 8 to 128; the 256 point is Table 3's). One JSON file per point in ``results/memory/``,
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import random
@@ -78,9 +82,11 @@ RHOS = (0.5, 0.2, 0.1)
 MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
 
 
-METHOD_KINDS = ("exact", "ckpt", "paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact")
-SINGLE = ("exact", "ckpt")  # one record per point
-PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact")  # one per rate
+METHOD_KINDS = ("exact", "ckpt", "paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",
+                "lora", "lora+ckpt", "lora+ours", "lora+ours+compact")
+SINGLE = ("exact", "ckpt", "lora", "lora+ckpt")  # one record per point
+PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  # one per rate
+           "lora+ours", "lora+ours+compact")
 # patch_activations' defaults, written out so that each record says what it measured.
 COMPACT = {"dropout": "seeded", "attention": "recompute", "gelu_bits": act.DEFAULT_GELU_BITS,
            "gelu_code": act.DEFAULT_GELU_CODE}
@@ -95,10 +101,9 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     ``"activations"``: patch_activations keyword arguments, for the compact kinds). Names are
     ``exact``, ``ckpt`` and ``<kind>@<rho>`` for the per-rate kinds."""
     out: dict[str, dict] = {}
-    if "exact" in kinds:
-        out["exact"] = {"patch": None, "ckpt": False}
-    if "ckpt" in kinds:
-        out["ckpt"] = {"patch": None, "ckpt": True}
+    for kind in SINGLE:
+        if kind in kinds:
+            out[kind] = {"patch": None, "ckpt": "ckpt" in kind.split("+")}
     for kind in PER_RHO:
         if kind not in kinds:
             continue
@@ -106,12 +111,35 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
             if kind == "paper":
                 patch = dict(sketch="gaussian", rho=rho, share_inputs=False, skip_padding=False,
                              min_rows=3)
+            elif kind.startswith("lora"):
+                patch = dict(sketch=sketch, rho=rho, targets="lora_A")  # as adapter=lora sets
             else:
                 patch = dict(sketch=sketch, rho=rho, exclude="classifier")
-            out[f"{kind}@{rho:g}"] = {"patch": patch, "ckpt": kind.startswith("ckpt")}
+            out[f"{kind}@{rho:g}"] = {"patch": patch, "ckpt": "ckpt" in kind.split("+")}
             if kind.endswith("+compact"):
                 out[f"{kind}@{rho:g}"]["activations"] = dict(COMPACT)
+    for name, method in out.items():
+        if name.startswith("lora"):
+            method["lora"] = lora_keys()
     return out
+
+
+def lora_keys() -> dict:
+    """LoRA's settings as the pipeline's ``adapter=lora`` has them (configs/adapter/lora.yaml, read
+    here so that the rows measure what the training runs train)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(bu.ROOT / "configs" / "adapter" / "lora.yaml")["adapter"]
+    return {k: v for k, v in OmegaConf.to_container(node).items() if k != "name"}
+
+
+def with_lora(model, lora: dict):
+    """``model`` as a peft LoRA model (in place: peft injects the adapters into its modules), the
+    way ``sketchprop.train.add_adapter`` makes it for ``adapter=lora``."""
+    from sketchprop.config import AdapterConfig, AdapterName
+    from sketchprop.train import add_adapter
+
+    return add_adapter(model, AdapterConfig(name=AdapterName.lora, **lora))
 
 
 def configured(model, method: dict):
@@ -196,7 +224,9 @@ def saved_bytes(model, batch, method: dict) -> int:
     """Bytes autograd saves in one forward pass, counted and dropped as they are saved (the pass is
     never backpropagated), so that batches whose activations exceed this machine's memory fit.
     What the randomized layers save is kept: Q, K and V find their shared sketch through a weak
-    reference, and a dropped one would be recomputed."""
+    reference, and a dropped one would be recomputed. A LoRA method works on a copy of the model."""
+    if method.get("lora") is not None:
+        model = with_lora(copy.deepcopy(model), method["lora"])
     with torch.enable_grad(), configured(model, method):
         with SavedTensorMeter(model, discard=True, keep_labels={"randomized"}) as meter:
             randomized = [m for m in model.modules() if isinstance(m, RandomizedLinear)]
@@ -238,10 +268,14 @@ def memory_child(args) -> None:
     dev = bu.setup_device(args.device, args.threads, quiet=True)
     model = bm.build_model("roberta-base", args.quick).to(dev).train()
     batch = {k: v.to(dev) for k, v in make_batch(model, json.loads(args.lengths)).items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    if method.get("lora") is not None:
+        model = with_lora(model, method["lora"])
+    # Only what trains has gradients and optimizer state (with LoRA: the adapters and the head).
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
     # Allocate AdamW's state first (a step on zero gradients): the paper's peak is over an epoch,
     # where every step after the first holds weights, gradients and two moments besides activations.
-    for p in model.parameters():
+    for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -327,6 +361,8 @@ def run_point(table: str, task: str, batch_size: int, args, env: dict,
             rec["checkpointing"] = CKPT_KWARGS
         if method.get("activations") is not None:
             rec["activations"] = method["activations"]
+        if method.get("lora") is not None:
+            rec["lora"] = method["lora"]
         group, _, rho = name.partition("@")
         if rho:
             point.setdefault(group, {})[rho] = rec

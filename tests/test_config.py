@@ -8,7 +8,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from sketchprop import SKETCHES
 from sketchprop.config import CONFIG_DIR, ConfigError, _sweep_subdir, compose, validate
 
-GROUPS = ["task", "model", "method", "scheme", "activations", "train", "logger", "experiment"]
+GROUPS = ["task", "model", "method", "scheme", "adapter", "activations", "train", "logger",
+          "experiment"]
 FILES = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
 
 

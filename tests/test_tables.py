@@ -302,10 +302,11 @@ def write_paired_runs(results: Path, edit=None) -> None:
             path.write_text(json.dumps(run))
 
 
-def comparison_rows(results: Path) -> dict[tuple[str, str], list[str]]:
+def comparison_rows(results: Path, scores: bool = False) -> dict[tuple[str, str], list[str]]:
+    """CoLA's comparison rows by (method, baseline): from 'n pairs' on, or both scores."""
     lines = (results / "tables/comparisons.md").read_text().splitlines()
     cells = [line.strip("| ").split(" | ") for line in lines if line.startswith("| CoLA |")]
-    return {(c[1], c[2]): c[3:] for c in cells}
+    return {(c[1], c[2]): c[3:5] if scores else c[5:] for c in cells}
 
 
 def test_paired_differences_by_seed(tmp_path, make_tables):
@@ -345,9 +346,12 @@ def test_paired_differences_by_seed(tmp_path, make_tables):
     assert rows[("blocksrht (ours) rho=0.2", "exact")] == ["1", "1", "-1.00", "-", "-", "-",
                                                             "n<2: no claim"]
     assert rows[("blocksrht (ours+ckpt) rho=0.1", rec)][-1] == "no difference measured"
+    # Both sides' unpaired scores stand beside the paired difference (all their seeds).
+    assert comparison_rows(tmp_path, scores=True)[(rec, "exact")][0] == "47.67 ± 2.52 (n=3)"
     # Declared comparisons without runs (MRPC, STS-B, SST-2 here) are named, not rows.
     text = (tmp_path / "tables/comparisons.md").read_text()
-    assert "without runs here: MRPC importance (ours) rho=0.1 vs blocksrht (ours) rho=0.1;" in text
+    missing = text.split("without runs here: ")[1].split(".\n")[0].split("; ")
+    assert "MRPC importance (ours) rho=0.1 vs blocksrht (ours) rho=0.1" in missing
     assert "| MRPC |" not in text
     assert "n<2: no claim" in (tmp_path / "tables/comparisons.csv").read_text()
 
