@@ -988,8 +988,11 @@ def figure3(memory_dir: Path, out: Path) -> None:
                      peak_pts, _peak, "linear"))
     with_ckpt = all(p.get("ckpt") and p.get("ckpt+ours") for p in pts)
     columns = [("paper", "paper's layout (Gaussian)"), ("ours", "our layout (blocksrht)")]
+    if all(p.get("ours+compact") for p in pts):
+        columns.append(("ours+compact", "ours + compact activations"))
     if with_ckpt:
         columns.append(("ckpt+ours", "activation checkpointing (+ ours)"))
+    with_compact_ckpt = with_ckpt and all(p.get("ckpt+ours+compact") for p in pts)
     plt = _pyplot()
     fig, axes = plt.subplots(len(rows), len(columns), figsize=(4.6 * len(columns), 3.9 * len(rows)),
                              sharey="row", sharex=True, squeeze=False, layout="constrained")
@@ -1005,6 +1008,11 @@ def figure3(memory_dir: Path, out: Path) -> None:
                     ax.plot(xs, [v / 2**30 for v in ys], color="gray", ls="--", marker="s",
                             lw=2.5, ms=12, markerfacecolor="none", markeredgewidth=1.5,
                             label="checkpointing alone")
+                ys = [value(p["ckpt+ours+compact"].get("0.1", {})) for p in row_pts] \
+                    if with_compact_ckpt else [None]
+                if None not in ys:
+                    ax.plot(xs, [v / 2**30 for v in ys], color="tab:purple", ls=":", marker="x",
+                            lw=1.5, label="rho=0.1 (+ checkpointing + compact)")
             for rho in ("0.5", "0.2", "0.1"):
                 ys = [value(p[sch].get(rho, {})) for p in row_pts]
                 if None in ys:

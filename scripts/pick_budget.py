@@ -2,7 +2,8 @@
 how fast it trains, for one model and one GLUE task.
 
 For the exact model, ours (``--sketch``, the recommended layout: Q/K/V share one sketch, padding
-rows skipped, head exact) at each rate, activation checkpointing, and checkpointing + ours:
+rows skipped, head exact) at each rate, activation checkpointing, and checkpointing + ours, each of
+the last two also with compact activations (``patch_activations``' defaults):
 
 - **fixed part**, measured on the model: the bytes of its weights, of their gradients and of AdamW's
   two moments, allocated for real (a step on zero gradients) and summed;
@@ -98,8 +99,9 @@ def reference_lengths(lengths: list[int], batch: int, seed: int = 0) -> list[int
 def configurations(sketch: str) -> dict[str, dict]:
     """Name -> memory_table method, in the order they are printed."""
     all_methods = mt.methods(sketch)
-    names = ["exact"] + [f"ours@{r:g}" for r in RHOS] + ["ckpt"] + [f"ckpt+ours@{r:g}"
-                                                                      for r in RHOS]
+    names = ["exact", *[f"{kind}@{r:g}" for kind in ("ours", "ours+compact") for r in RHOS],
+             "ckpt", *[f"{kind}@{r:g}" for kind in ("ckpt+ours", "ckpt+ours+compact")
+                       for r in RHOS]]
     return {n: all_methods[n] for n in names}
 
 
@@ -149,13 +151,16 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
         per_token = nbytes / padded_tokens
         recompute = 0.0
         if kind.startswith("ckpt"):
-            plain = saved["exact"] if kind == "ckpt" else saved[f"ours@{rho}"]
+            # What one checkpointed layer holds while backward recomputes it: the same
+            # configuration without checkpointing, per layer.
+            plain = saved["exact"] if kind == "ckpt" else saved[f"{kind[len('ckpt+'):]}@{rho}"]
             recompute = max(0.0, plain - nbytes) / padded_tokens * l_max / layers
         per_example = per_token * l_max + recompute
         room = budget - fixed
         largest = max(0, math.floor(room / per_example)) if room > 0 else 0
         bench = {"exact": "exact", "ckpt": "ckpt", "ours": f"ours-{sketch}",
-                 "ckpt+ours": f"ckpt+ours-{sketch}"}[kind]
+                 "ckpt+ours": f"ckpt+ours-{sketch}", "ours+compact": f"ours-{sketch}+compact",
+                 "ckpt+ours+compact": f"ckpt+ours-{sketch}+compact"}[kind]
         bench = bench if not rho else f"{bench}@{rho}"
         rows.append({"name": name, "kind": kind, "rho": float(rho) if rho else None,
                      "per_token": per_token, "recompute_per_example": recompute,
@@ -169,7 +174,8 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
 
 
 LABELS = {"exact": "exact", "ours": "ours", "ckpt": "checkpointing",
-          "ckpt+ours": "checkpointing + ours"}
+          "ckpt+ours": "checkpointing + ours", "ours+compact": "ours + compact activations",
+          "ckpt+ours+compact": "checkpointing + ours + compact activations"}
 
 
 def render(rows: list[dict], meta: dict) -> str:
