@@ -300,6 +300,15 @@ def test_memory_table_quick(tmp_path):
                 compact = p[f"{scheme}+compact"][r]
                 assert compact["saved_activation_bytes"] < p[scheme][r]["saved_activation_bytes"]
                 assert compact["activations"]["attention"] == "recompute"
+        # LoRA: the frozen base layers keep no input; the sketch shrinks what the adapters keep,
+        # compact activations the rest; checkpointing keeps the layer inputs only.
+        lora = p["lora"]["saved_activation_bytes"]
+        assert p["lora"]["lora"]["target_modules"] == ["query", "value"]
+        assert exact > lora > p["lora+ckpt"]["saved_activation_bytes"] > 0
+        for r in ("0.5", "0.2", "0.1"):
+            ours = p["lora+ours"][r]["saved_activation_bytes"]
+            assert lora > ours > p["lora+ours+compact"][r]["saved_activation_bytes"] > 0
+            assert p["lora+ours"][r]["patch"]["targets"] == "lora_A"
     # A second run skips what is there; nothing is rewritten.
     before = {n: (out / n).read_bytes() for n in names}
     assert "skipped" in run_script(args, tmp_path)
@@ -312,6 +321,9 @@ def test_memory_table_quick(tmp_path):
     make_tables.figure3(out, tmp_path / "figures")
     table = (tmp_path / "tables" / "table3.md").read_text()
     assert "| mrpc (4) |" in table and "| cola (8) |" in table and "memory_table.py" in table
+    for family in ("ours (blocksrht) + compact activations", "LoRA + ours (blocksrht) |",
+                   "LoRA + ours (blocksrht) + compact activations", "LoRA + checkpointing"):
+        assert f"| {family}" in table, family
     assert (tmp_path / "figures" / "figure3_memory.png").stat().st_size > 0
 
 
