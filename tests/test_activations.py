@@ -345,6 +345,23 @@ def test_round_trip(family):
     assert patch_activations(model) == names  # patchable again
 
 
+def test_saved_while_patched_loads_as_the_plain_model(tmp_path):
+    """save_pretrained keeps the weights and not the attention switch: the saved model loads
+    without sketchprop, with its default attention, and computes what the unpatched model does."""
+    model = tiny_bert().eval()
+    b = batch()
+    with torch.no_grad():
+        want = model(**b).logits
+    impl = model.config._attn_implementation
+    patch_activations(model)
+    model.save_pretrained(tmp_path)
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert loaded.config._attn_implementation == impl
+    assert not any(isinstance(m, (act.CompactGELU, act.SeededDropout)) for m in loaded.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**b).logits, want)
+
+
 @pytest.mark.parametrize("first", ["linear", "activations"])
 @pytest.mark.parametrize("sketch", sorted(SKETCHES))
 def test_composes_with_patch_linear(first, sketch):

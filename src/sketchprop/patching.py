@@ -306,7 +306,8 @@ def patch_activations(
 
     Returns:
         The qualified names of the replaced modules, in module order. The attention switch is not
-        a module: it shows in ``model.config._attn_implementation``.
+        a module: it shows in ``model.config._attn_implementation``, which ``save_pretrained``
+        does not store, so a model saved while patched loads as the plain model.
 
     Raises:
         ValueError: an unknown value; every part off; a model already patched; a part whose
