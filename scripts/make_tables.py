@@ -212,7 +212,9 @@ def method_key(run: dict) -> tuple:
 
 def method_label(key: tuple) -> str:
     _, sketch, sch, neg_rho = key
-    return "exact" if sketch == "exact" else f"{sketch} ({sch}) rho={-neg_rho:g}"
+    if sketch == "exact":
+        return "exact" if sch == "-" else f"exact ({sch})"
+    return f"{sketch} ({sch}) rho={-neg_rho:g}"
 
 
 def mean_sd(values: list[float]) -> tuple[float, float | None]:
@@ -654,7 +656,7 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
                          r["_experiment"]])
     write_table(out / "tuning", ["task", "method", "learning rate", "batch", "epochs", "best-epoch score",
                                  "score per epoch", "runs"], rows, (
-        "# Tuning of the CPU recipe (experiment=tune_cpu)\n\n"
+        "# Tuning of the CPU recipe (experiment=tune_cpu, tune_cpu_lora)\n\n"
         "The exact MiniLM on dev at a few learning rates, batch sizes and epoch counts, with the CPU "
         "recipe otherwise (configs/train/cpu.yaml, configs/setup/cpu.yaml; rows from runs/" + pool
         + " are table2_cpu's own exact run). Highest dev score per task at: "

@@ -393,3 +393,45 @@ def test_a_seed_without_a_score_does_not_pair(make_tables):
         r["_path"] = f"run{i}.json"
     p = make_tables.paired(ours, exact)
     assert p.seeds == (1, 3) and p.diffs == (-9, -7)
+
+
+def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
+    """Compact activations: a row of their own in Tables 2 and 4, paired with the runs that store
+    activations (the only other difference); LoRA: its own pool with its own rate, paired with
+    LoRA alone in tables/lora.md, never with the full model's runs."""
+    compact = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2,
+               "gelu_code": "stochastic"}
+    runs = {"minilm_cpu": [], "lora_cpu": []}
+    for seed, (exact, rec, packed) in {1: (50, 45, 44), 2: (52, 48, 46), 3: (57, 50, 50)}.items():
+        runs["minilm_cpu"] += [fake_run("cola", "exact", 1.0, seed, exact, 100),
+                               fake_run("cola", "blocksrht", 0.1, seed, rec, 100, share=True)]
+        small = fake_run("cola", "blocksrht", 0.1, seed, packed, 100, share=True)
+        small["identity"]["activations"] = compact
+        runs["minilm_cpu"].append(small)
+        for sketch, rho, value in (("exact", 1.0, 30 + seed), ("blocksrht", 0.1, 29 + 2 * seed)):
+            run = fake_run("cola", sketch, rho, seed, value, 100, share=sketch != "exact",
+                           learning_rate=3e-3)
+            run["identity"]["adapter"] = {"name": "lora", "r": 8, "alpha": 16, "dropout": 0.0,
+                                          "target_modules": ["query", "value"]}
+            runs["lora_cpu"].append(run)
+    for pool, rs in runs.items():
+        for r in rs:
+            r["recipe"] = sp_runs.recipe_hash(r["identity"])
+            path = tmp_path / "runs" / pool / "cola" / f"{sp_runs.run_stem(r['identity'])}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(r))
+    make_tables.main(["--results", str(tmp_path)])
+    table4 = (tmp_path / "tables/table4.md").read_text()
+    # 44, 46, 50 against exact's 50, 52, 57: -6, -6, -7, mean -6.33, SE 0.33.
+    assert "| blocksrht | ours+compact | 0.1 | 46.67 ± 3.06 (n=3) | -6.33 | -6.33 ± 0.33 (n=3) |" \
+        in table4
+    assert "| blocksrht | ours | 0.1 | 47.67 ± 2.52 (n=3) |" in table4
+    assert "lora" not in table4 and "lora" not in (tmp_path / "tables/table2.md").read_text()
+    # Against blocksrht alone: -1, -2, 0, mean -1, SE 0.58.
+    rows = comparison_rows(tmp_path)
+    assert rows[("blocksrht (ours+compact) rho=0.1", "blocksrht (ours) rho=0.1")][3:5] == \
+        ["-1.00", "0.58"]
+    lora = (tmp_path / "tables/lora.md").read_text()
+    # LoRA + blocksrht 31, 33, 35 against LoRA 31, 32, 33: 0, +1, +2.
+    assert "| CoLA | blocksrht (lora+ours) rho=0.1 | exact (lora) | 33.00 ± 2.00 (n=3) | " \
+           "32.00 ± 1.00 (n=3) | 3 | 1, 2, 3 | +0.00 / +1.00 / +2.00 | +1.00 | 0.58 |" in lora
