@@ -118,9 +118,10 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
             out[f"{kind}@{rho:g}"] = {"patch": patch, "ckpt": "ckpt" in kind.split("+")}
             if kind.endswith("+compact"):
                 out[f"{kind}@{rho:g}"]["activations"] = dict(COMPACT)
+    lora = lora_keys() if any(name.startswith("lora") for name in out) else None
     for name, method in out.items():
         if name.startswith("lora"):
-            method["lora"] = lora_keys()
+            method["lora"] = dict(lora)
     return out
 
 
