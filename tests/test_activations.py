@@ -306,6 +306,64 @@ def test_attention_dropout_regenerated_in_backward(monkeypatch):
     assert_same_grads(got, want)
 
 
+def keep_qkv(model):
+    """Make recompute_attention keep Q, K and V (its fallback) in every self-attention module."""
+    for m in model.modules():
+        if act.has_projections(m):
+            m.__dict__[act._CHECKED] = False
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("setup", ["plain", "sketch", "checkpointing", "bf16"])
+def test_attention_keeps_the_block_input_not_qkv(family, setup):
+    """Q, K, V made again in backward from the block's input give the gradients that keeping them
+    gives, bit for bit (dropout on, so the seeded masks must match too), and backward keeps
+    exactly three activations of the hidden size fewer per layer when the linears keep their
+    inputs (the exact model's linears already hold the block input)."""
+    def build():  # twice, not deepcopy: a copy's skip_padding hook feeds the original's context
+        model = MODELS[family](dropout=0.1)
+        if setup == "sketch":
+            patch_linear(model, "blocksrht", rho=0.5)
+        patch_activations(model, gelu_bits=None)
+        return model
+
+    model, ref = build(), build()
+    keep_qkv(ref)
+    b = batch()
+    ckpt = setup == "checkpointing"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup == "bf16"):
+        torch.manual_seed(1)
+        got = grads(model, b, ckpt)
+        torch.manual_seed(1)
+        want = grads(ref, b, ckpt)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+    checked = [m.__dict__.get(act._CHECKED) for m in model.modules() if act.has_projections(m)]
+    assert checked == [True, True]
+    if setup == "plain":
+        model.zero_grad(), ref.zero_grad()
+        cfg = model.config
+        row = b["input_ids"].numel() * cfg.hidden_size * 4
+        assert saved_bytes(ref, b) - saved_bytes(model, b) == cfg.num_hidden_layers * 3 * row
+
+
+def test_attention_keeps_qkv_when_they_are_not_the_inputs_projections():
+    """A query projection that sees something else than the block's input (here a hook scales
+    it) fails the first call's check: a warning, Q, K, V kept, the gradients still exact."""
+    model = tiny_bert()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.bert.encoder.layer[0].attention.self.query.register_forward_pre_hook(
+            lambda module, args: (args[0] * 2,))
+    patch_activations(model, dropout="stored", gelu_bits=None)
+    b = batch()
+    with pytest.warns(UserWarning, match="keeps Q, K and V"):
+        got = grads(model, b)
+    assert_same_grads(got, grads(ref, b))
+    checked = [m.__dict__.get(act._CHECKED) for m in model.modules() if act.has_projections(m)]
+    assert checked == [False, True]
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointing_recomputes_the_same_masks(reentrant):
     """With every dropout on (hidden and attention), a checkpointed model's gradients equal the
@@ -339,8 +397,12 @@ def test_round_trip(family):
     gelus = [n for n in names if n.endswith("intermediate_act_fn")]
     assert len(gelus) == 2 and all(isinstance(model.get_submodule(n), act.CompactGELU)
                                    for n in gelus)
+    model.train()
+    model(**batch()).loss.backward()
     assert unpatch_activations(model) == names
     assert module_types(model) == types and model.config._attn_implementation == impl
+    assert not any(m._forward_pre_hooks or m._forward_hooks or vars(m).keys() & {
+        act._CHECKED, act._ATTENTION_INPUT} for m in model.modules())
     assert unpatch_activations(model) == []
     assert patch_activations(model) == names  # patchable again
 

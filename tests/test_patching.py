@@ -1,5 +1,6 @@
 """Patching level: patch_linear / unpatch_linear on a tiny RoBERTa built from a config."""
 
+import copy
 import math
 
 import pytest
@@ -234,6 +235,23 @@ def test_skip_padding_sketch_covers_only_real_rows():
     real = int(data["attention_mask"].sum())  # 34 of 64 rows
     own = [nbytes for nbytes, labels in meter.records if labels == {"layer"}]
     assert max(own) == math.ceil(0.5 * real) * 32 * 4  # S^T X: half the real rows, not of all 64
+
+
+def test_deepcopy_of_a_patched_model_skips_its_own_padding():
+    """A deep copy (an EMA model, a copy to compare against) keeps skipping padding: its hook
+    hands the mask to the copy's context, so the copy's sketches and gradients are the
+    original's, not those of every row."""
+    model = tiny_roberta()
+    patch_linear(model, "blocksrht", 0.5, skip_padding=True, min_rows=1)
+    copy_ = copy.deepcopy(model)
+    data = batch()
+    grads = []
+    for m in (model, copy_):
+        m(**data).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+    assert unpatch_linear(copy_) and not hasattr(copy_, "_sketchprop_context")
 
 
 @pytest.mark.parametrize("sketch", ["gaussian", "dct", "blocksrht"])

@@ -10,11 +10,14 @@ GELU inputs. Each has a leaner form, here as drop-in replacements that
   (:class:`PackedDropout`) saves the mask at one bit per element instead, which spends 1/32 of a
   float mask to skip drawing it twice. Both are exact: forward and backward use one mask.
 - **Attention** (:func:`recompute_attention`, ``attention="recompute"``): an attention function
-  registered in transformers' ``AttentionInterface`` that saves Q, K, V, the padding mask and a
-  seed, and recomputes the probabilities (and their dropout mask) in backward, as Megatron-LM's
-  selective recomputation does (Korthikanti et al. 2022). Exact. On CUDA it calls PyTorch's
-  ``scaled_dot_product_attention``, whose memory-efficient and flash kernels already keep no
-  probabilities.
+  registered in transformers' ``AttentionInterface`` that recomputes the probabilities (and their
+  dropout mask) in backward, as Megatron-LM's selective recomputation does (Korthikanti et al.
+  2022). It saves the padding mask, a seed, and, in place of Q, K and V, the self-attention
+  block's input, from which backward makes Q, K and V again with the projections' weights: one
+  activation of the hidden size instead of three, for a second Q/K/V projection in backward
+  (where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
+  Exact. On CUDA it calls PyTorch's ``scaled_dot_product_attention``, whose memory-efficient and
+  flash kernels already keep no probabilities (but keep Q, K and V).
 - **GELU** (:class:`CompactGELU`, ``gelu_bits=b``): keeps a ``b``-bit code of GELU's derivative
   ``g(x) = Phi(x) + x phi(x)`` instead of its input (the authors' follow-up: Novikov et al.,
   "Few-bit backward", ICML 2023), packed at ``b`` bits per element; backward returns
@@ -62,6 +65,7 @@ quarter of the generator calls that ``bernoulli_`` does.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -255,36 +259,155 @@ def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p:
     return probs, keep
 
 
+def _attend(q, k, v, mask, scaling: float, p: float, seed: int) -> Tensor:
+    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V``."""
+    probs, keep = _probabilities(q, k, mask, scaling, p, seed)
+    if keep is not None:
+        probs.mul_(keep).mul_(_drop_threshold(p)[1])
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _attention_grads(dout, q, k, v, mask, scaling: float, p: float,
+                     seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of :func:`_attend`, its probabilities and dropout mask made again."""
+    probs, keep = _probabilities(q, k, mask, scaling, p, seed)
+    dropped = probs
+    dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
+    if keep is not None:
+        scale = _drop_threshold(p)[1]
+        dropped = (probs * keep).mul_(scale)
+        dprobs.mul_(keep).mul_(scale)
+    dv = torch.matmul(dropped.to(v.dtype).transpose(-1, -2), dout)
+    # Softmax backward: dS = P * (dP - sum(dP * P)).
+    dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scaling)
+    dscores = dscores.to(q.dtype)
+    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-1, -2), q), dv
+
+
 class _RecomputedAttention(torch.autograd.Function):
-    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V``; saves Q, K, V, the mask and
-    the dropout seed, and recomputes the probabilities in backward."""
+    """:func:`_attend` that saves Q, K, V, the mask and the dropout seed, and recomputes the
+    probabilities in backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor):
-        probs, keep = _probabilities(q, k, mask, scaling, p, int(seed))
-        if keep is not None:
-            probs.mul_(keep).mul_(_drop_threshold(p)[1])
         ctx.scaling, ctx.p = scaling, p
         ctx.save_for_backward(q, k, v, mask, seed)
-        return torch.matmul(probs.to(v.dtype), v)
+        return _attend(q, k, v, mask, scaling, p, int(seed))
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, seed = ctx.saved_tensors
-        probs, keep = _probabilities(q, k, mask, ctx.scaling, ctx.p, int(seed))
-        dropped = probs
-        dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
-        if keep is not None:
-            scale = _drop_threshold(ctx.p)[1]
-            dropped = (probs * keep).mul_(scale)
-            dprobs.mul_(keep).mul_(scale)
-        dv = torch.matmul(dropped.to(v.dtype).transpose(-1, -2), dout)
-        # Softmax backward: dS = P * (dP - sum(dP * P)).
-        dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(ctx.scaling)
-        dscores = dscores.to(q.dtype)
-        dq = torch.matmul(dscores, k)
-        dk = torch.matmul(dscores.transpose(-1, -2), q)
-        return dq, dk, dv, None, None, None, None
+        return *_attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed)), *[None] * 4
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+             head_dim: int) -> Tensor:
+    """``F.linear(x, weight, bias)`` in ``dtype`` (autocast's casts, done by hand) as heads:
+    ``(B, L, H * D) -> (B, H, L, D)``, what BERT's self-attention gives the attention function."""
+    y = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+
+class _ProjectedAttention(torch.autograd.Function):
+    """:func:`_attend` that saves the attention block's input ``x`` (and the projections' weights,
+    which are parameters) in place of Q, K and V, and makes Q, K and V again in backward from
+    ``x``: one activation of the hidden size kept instead of three. Its gradients are those of
+    :class:`_RecomputedAttention`, bit for bit: the same ``F.linear`` gives the same Q, K, V."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
+                weights: tuple):
+        ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
+        ctx.biases = [b is not None for b in weights[1::2]]
+        # Detached views share storage and version counter: an in-place change to x or a weight
+        # before backward still raises, and the meter counts x once with the linears' own copy.
+        ctx.save_for_backward(mask, seed, x.detach(),
+                              *(w.detach() for w in weights if w is not None))
+        return _attend(q, k, v, mask, scaling, p, int(seed))
+
+    @staticmethod
+    def backward(ctx, dout):
+        mask, seed, x, *saved = ctx.saved_tensors
+        qkv = []
+        with torch.autocast(x.device.type, enabled=False):
+            for has_bias in ctx.biases:
+                weight = saved.pop(0)
+                bias = saved.pop(0) if has_bias else None
+                qkv.append(_project(x, weight, bias, ctx.dtype, ctx.head_dim))
+        grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
+        return *grads, *[None] * 6
+
+
+#: Where :func:`keep_attention_input` leaves a self-attention call's input for
+#: :func:`recompute_attention`, and where the latter notes whether the module's Q, K, V check out.
+_ATTENTION_INPUT = "_sketchprop_attention_input"
+_CHECKED = "_sketchprop_qkv_checked"
+_PROJECTIONS = ("query", "key", "value")
+# A call with any of these set projects something else than its own input (a cache, an encoder).
+_OTHER_SOURCES = ("cache", "past_key_values", "past_key_value", "encoder_hidden_states")
+
+
+def has_projections(module: nn.Module) -> bool:
+    """Whether ``module`` is a BERT-style self-attention: ``query``, ``key`` and ``value``
+    submodules applied to its first argument."""
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
+
+
+def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
+    copy) for :func:`recompute_attention` to save in place of Q, K and V."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES):
+        module.__dict__[_ATTENTION_INPUT] = x
+
+
+def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    """Forward hook (also on an exception): forget what :func:`keep_attention_input` kept."""
+    module.__dict__.pop(_ATTENTION_INPUT, None)
+
+
+def forget_attention_check(module: nn.Module) -> None:
+    """Drop what :func:`recompute_attention` noted on ``module`` (its Q, K, V check)."""
+    module.__dict__.pop(_CHECKED, None)
+    module.__dict__.pop(_ATTENTION_INPUT, None)
+
+
+def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight, bias)`` such that ``module(x) == F.linear(x, weight, bias)``: nn.Linear and
+    :class:`~sketchprop.layers.RandomizedLinear` (whose forward is that ``F.linear``); None for
+    anything else (peft's LoRA layers, subclasses with a forward of their own)."""
+    from .layers import RandomizedLinear
+
+    if type(module) is nn.Linear:
+        return module.weight, module.bias
+    if isinstance(module, RandomizedLinear):
+        return (module.weight.T if module.fan_in_fan_out else module.weight), module.bias
+    return None
+
+
+def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
+                        value: Tensor) -> tuple[Tensor, tuple] | None:
+    """The attention block's input and its Q, K, V projections' ``(weight, bias, ...)`` when Q,
+    K and V can be made again from them, else None. The first call on a module checks that they
+    give the very Q, K, V the model passed (one extra projection, once); a module that fails the
+    check keeps Q, K and V from then on, with a warning."""
+    x = module.__dict__.get(_ATTENTION_INPUT)
+    pairs = [_linear_weights(getattr(module, n, None)) for n in _PROJECTIONS]
+    if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
+            or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
+        return None
+    weights = tuple(t for pair in pairs for t in pair)
+    if _CHECKED not in module.__dict__:
+        with torch.no_grad():
+            same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1]), t)
+                       for (w, b), t in zip(pairs, (query, key, value), strict=True))
+        module.__dict__[_CHECKED] = same
+        if not same:
+            warnings.warn(f"{type(module).__name__}'s Q, K, V are not its projections of its "
+                          "input; recompute_attention keeps Q, K and V for this module",
+                          stacklevel=3)
+            return None
+    return x, weights
 
 
 def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -318,9 +441,13 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if autocast:  # compute in the dtype autocast gives the projections' matmuls, as eager does
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    projected = _projection_weights(module, query, key, value) if needs_grad else None
     with torch.autocast(query.device.type, enabled=False):
-        out = _RecomputedAttention.apply(query, key, value, attention_mask, float(scaling),
-                                         float(dropout), _draw_seed())
+        args = (query, key, value, attention_mask, float(scaling), float(dropout), _draw_seed())
+        if projected is None:
+            out = _RecomputedAttention.apply(*args)
+        else:
+            out = _ProjectedAttention.apply(*args, *projected)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -30,6 +30,7 @@ __all__ = ["DEFAULT_EXCLUDE", "patch_linear", "unpatch_linear", "find_linear",
            "patch_activations", "unpatch_activations"]
 
 _HOOKS = "_sketchprop_hooks"
+_CONTEXT = "_sketchprop_context"
 _ACTIVATIONS = "_sketchprop_activations"
 
 #: Left exact unless ``exclude`` says otherwise: a language model's output layer. Its weight is tied
@@ -108,8 +109,10 @@ def find_linear(model: nn.Module, targets: str | None = None,
 _DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
 
 
-def _mask_hook(context: SketchContext, model: nn.Module):
-    """A forward pre-hook that hands the call's ``attention_mask`` to ``context``.
+def _mask_hook(model: nn.Module):
+    """A forward pre-hook that hands the call's ``attention_mask`` to the model's
+    :class:`SketchContext` (the one its layers share). The context is looked up on the model
+    called, not captured: a ``copy.deepcopy`` of the model (hooks included) feeds its own copy.
 
     Rows are matched to the mask by shape. In an encoder-decoder (T5) the mask is the encoder's,
     and a decoder sequence of the same length would be masked by it although its rows carry
@@ -122,6 +125,9 @@ def _mask_hook(context: SketchContext, model: nn.Module):
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
     def hook(module, args, kwargs):
+        context = getattr(module, _CONTEXT, None)
+        if context is None:
+            return
         arguments = kwargs
         if signature is not None and args:
             try:
@@ -229,8 +235,8 @@ def patch_linear(
 
     hooks = []
     if skip_padding:
-        hooks.append(model.register_forward_pre_hook(_mask_hook(context, model),
-                                                     with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(_mask_hook(model), with_kwargs=True))
+        setattr(model, _CONTEXT, context)
     setattr(model, _HOOKS, hooks)
     return _swap(model, new)
 
@@ -242,8 +248,9 @@ def unpatch_linear(model: nn.Module) -> list[str]:
     _swap(model, {name: model.get_submodule(name).to_linear() for name in names})
     for hook in getattr(model, _HOOKS, None) or []:
         hook.remove()
-    if hasattr(model, _HOOKS):
-        delattr(model, _HOOKS)
+    for attribute in (_HOOKS, _CONTEXT):
+        if hasattr(model, attribute):
+            delattr(model, attribute)
     return names
 
 
@@ -294,9 +301,9 @@ def patch_activations(
             ``nn.Dropout``: the mask is made again from a saved seed), ``"packed"`` (the mask is
             kept at one bit per element) or ``"stored"`` (left as it is). Exact.
         attention: ``"recompute"`` (the model's attention function becomes
-            :func:`~sketchprop.activations.recompute_attention`: Q, K, V and the mask are kept,
-            the probabilities and their dropout mask recomputed in backward; exact) or
-            ``"stored"``.
+            :func:`~sketchprop.activations.recompute_attention`: the probabilities and their
+            dropout mask are recomputed in backward, and Q, K, V too, from the self-attention
+            block's input, where its projections are linear layers; exact) or ``"stored"``.
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module), or
             None to leave GELU as it is.
@@ -348,6 +355,13 @@ def patch_activations(
     if attention == "recompute":
         state["attention"] = owner.config._attn_implementation
         owner.set_attn_implementation(act.register_attention())
+        # Self-attention modules hand their input to the attention function, which keeps it in
+        # place of Q, K and V where it can make them again (sketchprop.activations).
+        state["hooks"] = [
+            hook for m in owner.modules() if act.has_projections(m)
+            for hook in (m.register_forward_pre_hook(act.keep_attention_input, with_kwargs=True),
+                         m.register_forward_hook(act.drop_attention_input, with_kwargs=True,
+                                                 always_call=True))]
     setattr(model, _ACTIVATIONS, state)
     return _swap(model, new)
 
@@ -360,6 +374,11 @@ def unpatch_activations(model: nn.Module) -> list[str]:
         return []
     names = _swap(model, state["modules"])
     if state["attention"] is not None:
-        _attention_owner(model).set_attn_implementation(state["attention"])
+        owner = _attention_owner(model)
+        owner.set_attn_implementation(state["attention"])
+        for hook in state["hooks"]:
+            hook.remove()
+        for m in owner.modules():
+            act.forget_attention_check(m)
     delattr(model, _ACTIVATIONS)
     return names
