@@ -70,6 +70,10 @@ def key_of(sketch: str, layout: str = "-", rho: float = 1.0) -> tuple:
     return (SKETCH_ORDER.index(sketch), sketch, layout, -float(rho))
 
 
+#: The compact set of ``activations=compact`` (configs/activations/compact.yaml); a run with other
+#: compact settings is labelled with the ones that differ.
+COMPACT = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2, "gelu_code": "stochastic"}
+
 EXACT = key_of("exact")
 REC = key_of("blocksrht", "ours", 0.1)  # the recommended sketch at the recommended rate
 IMPORTANCE = key_of("importance", "ours", 0.1)
@@ -180,7 +184,8 @@ def _differences(a, b, prefix: str = "") -> list[str]:
 def scheme(run: dict) -> str:
     """``paper`` (per-layer sketches, padding included) or ``ours``, from the run's config;
     ``+alloc`` when rows were allocated by variance, ``+ckpt`` when the run used activation
-    checkpointing, ``+compact`` with compact activations (``activations=compact``), and
+    checkpointing, ``+compact`` with compact activations (``activations=compact``; other
+    settings than :data:`COMPACT` are named: ``+compact(gelu_bits=3,gelu_code=optimal)``), and
     ``lora+`` in front for a LoRA adapter. The exact model's layout is ``-`` alone, else these
     parts joined: ``lora+ckpt``."""
     ident = run.get("identity", {})
@@ -195,7 +200,8 @@ def scheme(run: dict) -> str:
         parts.append("ckpt")
     # runs.identity leaves the activations out at their neutral (stored) value.
     if "activations" in ident:
-        parts.append("compact")
+        other = [f"{k}={v}" for k, v in ident["activations"].items() if COMPACT.get(k) != v]
+        parts.append(f"compact({','.join(other)})" if other else "compact")
     return "+".join(parts) or "-"
 
 

@@ -20,6 +20,15 @@ def make_tables():
     return module
 
 
+def yaml_values(path):
+    """A config file's own values (its ``defaults`` list left out)."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / path))
+    conf.pop("defaults", None)
+    return conf
+
+
 def fake_run(task, sketch, rho, seed, score, runtime, share=False, **train):
     """A result file as the pipeline writes it; ``train`` settings enter its identity."""
     metric = "matthews" if task == "cola" else "accuracy"
@@ -401,13 +410,16 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
     LoRA alone in tables/lora.md, never with the full model's runs."""
     compact = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2,
                "gelu_code": "stochastic"}
+    assert make_tables.COMPACT == compact == yaml_values("configs/activations/compact.yaml")
     runs = {"minilm_cpu": [], "lora_cpu": []}
     for seed, (exact, rec, packed) in {1: (50, 45, 44), 2: (52, 48, 46), 3: (57, 50, 50)}.items():
         runs["minilm_cpu"] += [fake_run("cola", "exact", 1.0, seed, exact, 100),
                                fake_run("cola", "blocksrht", 0.1, seed, rec, 100, share=True)]
         small = fake_run("cola", "blocksrht", 0.1, seed, packed, 100, share=True)
         small["identity"]["activations"] = compact
-        runs["minilm_cpu"].append(small)
+        other = fake_run("cola", "blocksrht", 0.1, seed, 0, 100, share=True)
+        other["identity"]["activations"] = {**compact, "gelu_bits": 3, "gelu_code": "optimal"}
+        runs["minilm_cpu"] += [small, other]
         for sketch, rho, value in (("exact", 1.0, 30 + seed), ("blocksrht", 0.1, 29 + 2 * seed)):
             run = fake_run("cola", sketch, rho, seed, value, 100, share=sketch != "exact",
                            learning_rate=3e-3)
@@ -426,6 +438,9 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
     assert "| blocksrht | ours+compact | 0.1 | 46.67 ± 3.06 (n=3) | -6.33 | -6.33 ± 0.33 (n=3) |" \
         in table4
     assert "| blocksrht | ours | 0.1 | 47.67 ± 2.52 (n=3) |" in table4
+    # Other compact settings: a row of their own, named by what differs.
+    assert "| blocksrht | ours+compact(gelu_bits=3,gelu_code=optimal) | 0.1 | 0.00 ± 0.00 (n=3) |" \
+        in table4
     assert "lora" not in table4 and "lora" not in (tmp_path / "tables/table2.md").read_text()
     # Against blocksrht alone: -1, -2, 0, mean -1, SE 0.58.
     rows = comparison_rows(tmp_path)
