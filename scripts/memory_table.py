@@ -34,7 +34,8 @@ linear layers save stored at exactly rho of its size.
 Points: ``table3`` (the paper's: MRPC 128, SST-2 256, QNLI 16, CoLA 256) and ``figure3`` (CoLA,
 batch 8 to 128; the 256 point is Table 3's). One JSON file per point in ``results/memory/``,
 written when the point is done; a point already there is skipped, or only the methods and parts it
-lacks are measured and added (``--overwrite`` redoes it), so an interrupted run resumes and a new
+lacks are measured and added (``--overwrite`` measures the asked methods again, keeping the
+file's others), so an interrupted run resumes and a new
 method is added to old points. ``--glue-dir`` defaults to ``$GLUE_DIR``, else the shipped
 ``data/glue`` (which has no QNLI: its point needs a GLUE folder with ``QNLI/dev.tsv``, unless its
 file is already complete).
@@ -408,7 +409,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     bu.add_threads_arg(p)
     p.add_argument("--out-dir", default=str(bu.ROOT / "results" / "memory"))
-    p.add_argument("--overwrite", action="store_true", help="redo points whose file exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="measure the requested methods and parts again where the file has them "
+                        "(the file's other methods are kept)")
     p.add_argument("--quick", action="store_true", help="tiny model and batches: a smoke test")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--lengths", default=None, help=argparse.SUPPRESS)
@@ -445,10 +448,10 @@ def main(argv=None) -> None:
     plan = []  # (table, task, batch, path, old file, {method: parts to measure}, limit needed)
     for table, task, b in todo:
         path = out / f"{table}-{task.lower().replace('-', '')}-b{b}.json"
-        old = json.loads(path.read_text()) if path.exists() and not args.overwrite else None
+        old = json.loads(path.read_text()) if path.exists() else None
         needs = {}
         for name in names:
-            have = record(old, name)
+            have = {} if args.overwrite else record(old, name)
             missing = [x for x in requested if PART_KEY[x] not in have]
             if missing:
                 needs[name] = missing

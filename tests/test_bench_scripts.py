@@ -313,6 +313,14 @@ def test_memory_table_quick(tmp_path):
     before = {n: (out / n).read_bytes() for n in names}
     assert "skipped" in run_script(args, tmp_path)
     assert {n: (out / n).read_bytes() for n in names} == before
+    # --overwrite measures the asked methods again and keeps the file's others.
+    run_script(args + ["--overwrite", "--points", "table3", "--tasks", "MRPC",
+                       "--methods", "ours+compact"], tmp_path)
+    redone = json.loads((out / "table3-mrpc-b4.json").read_text())
+    assert redone.keys() == json.loads(before["table3-mrpc-b4.json"]).keys()
+    assert redone["command"].endswith("--methods ours+compact")
+    assert {n: (out / n).read_bytes() for n in names if n != "table3-mrpc-b4.json"} == \
+        {n: b for n, b in before.items() if n != "table3-mrpc-b4.json"}
     # The tables read the files: Table 3 and the Figure 3 curve (which borrows Table 3's CoLA point).
     spec = importlib.util.spec_from_file_location("make_tables", ROOT / "scripts" / "make_tables.py")
     make_tables = importlib.util.module_from_spec(spec)
