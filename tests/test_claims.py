@@ -156,7 +156,9 @@ def test_a_sweep_records_a_claimed_job_as_skipped(tmp_path, glue_dir):
         sweep = cli(["-m", *base, "method.rho=0.5,0.25"], tmp_path)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     assert "sweep: 1 job(s) skipped, held by another process" in sweep.stderr
-    assert "failed" not in sweep.stderr
+    said = sweep.stdout + sweep.stderr
+    assert "failed" not in sweep.stderr and "[ERROR]" not in said
+    assert "skipped: run gaussian-rho0.5" in said
     assert not files.index.exists()
     assert list((tmp_path / "results/runs/default/cola").glob("gaussian-rho0.25-seed1-*.json"))
     (skipped,) = (tmp_path / "outputs/multiruns").rglob(runs.SKIPPED_FILE)

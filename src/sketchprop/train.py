@@ -669,9 +669,10 @@ def main(cfg: DictConfig) -> None:
               f"{shlex.join(sys.orig_argv)}", file=sys.stderr, flush=True)
         sys.exit(130)
     except runs.Claimed as err:
-        log.error("%s", err)
         if not sweep:
+            log.error("%s", err)
             sys.exit(EXIT_CLAIMED)
+        log.warning("skipped: %s", err)  # a sweep's job someone else runs: not a failure
         runs.record_skip(Path(hc.runtime.output_dir), err, list(hc.overrides.task))
     except (ConfigError, runs.RunError, glue.GlueDataError, FloatingPointError) as err:
         log.error("%s", err)
