@@ -90,6 +90,10 @@ COMPARISONS = [
     # against exact.
     ("cola", key_of("blocksrht", "ours+compact", 0.1), REC),
     ("cola", key_of("blocksrht", "ours+compact", 0.2), EXACT),
+    # The authors' deterministic 3-bit GELU code in place of the 2-bit stochastic one.
+    ("cola", key_of("blocksrht", "ours+compact(gelu_bits=3,gelu_code=optimal)", 0.1), REC),
+    ("cola", key_of("blocksrht", "ours+compact(gelu_bits=3,gelu_code=optimal)", 0.1),
+     key_of("blocksrht", "ours+compact", 0.1)),
     *[(task, method, baseline) for task in ("mrpc", "stsb", "sst2")
       for method, baseline in ((IMPORTANCE, REC), (IMPORTANCE, EXACT), (REC, EXACT))],
     *[(task, key_of("blocksrht", "ours+compact", 0.2), EXACT) for task in ("mrpc", "stsb")],
