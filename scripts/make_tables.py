@@ -41,6 +41,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
+from omegaconf import OmegaConf
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,9 +71,16 @@ def key_of(sketch: str, layout: str = "-", rho: float = 1.0) -> tuple:
     return (SKETCH_ORDER.index(sketch), sketch, layout, -float(rho))
 
 
-#: The compact set of ``activations=compact`` (configs/activations/compact.yaml); a run with other
-#: compact settings is labelled with the ones that differ.
-COMPACT = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2, "gelu_code": "stochastic"}
+def _compact_set() -> dict:
+    """The settings ``activations=compact`` gives (configs/activations/compact.yaml, read as the
+    pipeline composes it); a run with other compact settings is labelled with the ones that
+    differ."""
+    conf = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "activations" / "compact.yaml"))
+    conf.pop("defaults", None)
+    return conf
+
+
+COMPACT = _compact_set()
 
 EXACT = key_of("exact")
 REC = key_of("blocksrht", "ours", 0.1)  # the recommended sketch at the recommended rate

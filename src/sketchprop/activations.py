@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .functional import seed_tensor
+from .layers import RandomizedLinear
 
 __all__ = [
     "ATTENTION",
@@ -318,24 +319,20 @@ class _ProjectedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
-                weights: tuple):
+                pairs: tuple):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
-        ctx.biases = [b is not None for b in weights[1::2]]
         # Detached views share storage and version counter: an in-place change to x or a weight
         # before backward still raises, and the meter counts x once with the linears' own copy.
-        ctx.save_for_backward(mask, seed, x.detach(),
-                              *(w.detach() for w in weights if w is not None))
+        ctx.save_for_backward(mask, seed, x.detach(), *(None if t is None else t.detach()
+                                                        for pair in pairs for t in pair))
         return _attend(q, k, v, mask, scaling, p, int(seed))
 
     @staticmethod
     def backward(ctx, dout):
-        mask, seed, x, *saved = ctx.saved_tensors
-        qkv = []
+        mask, seed, x, *weights = ctx.saved_tensors
         with torch.autocast(x.device.type, enabled=False):
-            for has_bias in ctx.biases:
-                weight = saved.pop(0)
-                bias = saved.pop(0) if has_bias else None
-                qkv.append(_project(x, weight, bias, ctx.dtype, ctx.head_dim))
+            qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim)
+                   for w, b in zip(weights[0::2], weights[1::2], strict=True)]
         grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
         return *grads, *[None] * 6
 
@@ -378,8 +375,6 @@ def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:
     """``(weight, bias)`` such that ``module(x) == F.linear(x, weight, bias)``: nn.Linear and
     :class:`~sketchprop.layers.RandomizedLinear` (whose forward is that ``F.linear``); None for
     anything else (peft's LoRA layers, subclasses with a forward of their own)."""
-    from .layers import RandomizedLinear
-
     if type(module) is nn.Linear:
         return module.weight, module.bias
     if isinstance(module, RandomizedLinear):
@@ -389,7 +384,7 @@ def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:
 
 def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                         value: Tensor) -> tuple[Tensor, tuple] | None:
-    """The attention block's input and its Q, K, V projections' ``(weight, bias, ...)`` when Q,
+    """The attention block's input and its Q, K, V projections' ``(weight, bias)`` pairs when Q,
     K and V can be made again from them, else None. The first call on a module checks that they
     give the very Q, K, V the model passed (one extra projection, once); a module that fails the
     check keeps Q, K and V from then on, with a warning."""
@@ -398,7 +393,6 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
     if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
             or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
         return None
-    weights = tuple(t for pair in pairs for t in pair)
     if _CHECKED not in module.__dict__:
         with torch.no_grad():
             same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1]), t)
@@ -409,7 +403,7 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                           "input; recompute_attention keeps Q, K and V for this module",
                           stacklevel=3)
             return None
-    return x, weights
+    return x, tuple(pairs)
 
 
 def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
