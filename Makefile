@@ -106,15 +106,15 @@ importance-cpu: install  ## importance sampling on this CPU: CoLA/MRPC/STS-B at 
 	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb method=importance scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=importance scheme=ours method.rho=0.05 train.seed=1,2,3 $(ARGS)
 
-seeds-cpu: install  ## more seeds where the CPU tables make claims: CoLA exact, REC 0.1, importance+alloc 0.1 x5, REC 0.2 x3; STS-B, SST-2 x3 (data/glue)
+seeds-cpu: install  ## more seeds where the CPU tables make claims: CoLA exact, REC 0.1, importance+alloc 0.1, REC 0.2 x5; STS-B, SST-2 x3 (data/glue)
 	$(TRAIN) -m experiment=table4_cpu method=exact,$(REC) scheme=ours method.rho=0.1 train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=importance scheme=ours method.rho=0.1 method.allocate=variance train.seed=1,2,3,4,5 $(ARGS)
-	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.2 train.seed=1,2,3 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.2 train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=stsb,sst2 method=exact,$(REC),importance scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
 
-compact-cpu: install  ## compact activations on this CPU: CoLA REC 0.1 (5 seeds, as REC 0.1 alone) and 0.2 (3 seeds) with activations=compact; MRPC, STS-B 0.2, 1 seed (data/glue)
-	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours activations=compact method.rho=0.1,0.2 train.seed=1,2,3 $(ARGS)
-	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours activations=compact method.rho=0.1 train.seed=4,5 $(ARGS)
+compact-cpu: install  ## compact activations on this CPU: CoLA exact, REC 0.1 and REC 0.2 with activations=compact, 5 seeds each (as their baselines); MRPC, STS-B 0.2, 1 seed (data/glue)
+	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours activations=compact method.rho=0.1,0.2 train.seed=1,2,3,4,5 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours activations=compact train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb method=$(REC) scheme=ours activations=compact method.rho=0.2 $(ARGS)
 
 lora-cpu: install  ## LoRA on this CPU: its learning rate on CoLA (3 rates, seed 1), then LoRA and LoRA + REC 0.1, 3 seeds (data/glue)
