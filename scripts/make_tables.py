@@ -698,8 +698,8 @@ def _peak(rec: dict) -> int | None:
 def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None, str | None]]:
     """A point's method families: (label, key, record without a sketch, records by rate, bench name
     without a sketch, bench name prefix at a rate). Each family beyond the paper's layout and ours
-    only where the point has it; a family whose sketch-free variant was not measured (compact
-    activations alone) has an empty record there, and LoRA has no bench names (not timed)."""
+    only where the point has it; a family whose sketch-free variant was not measured has an empty
+    record there, and LoRA has no bench names (not timed)."""
     sketch = next((rec.get("patch", {}).get("sketch") for rec in p.get("ours", {}).values()),
                   "blocksrht")
     fams = [("paper layout (Gaussian)", "paper", p["exact"], p["paper"], "exact", "paper"),
@@ -707,8 +707,8 @@ def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None
     optional = [
         (f"checkpointing + ours ({sketch})", "ckpt+ours", p.get("ckpt"), "ckpt",
          f"ckpt+ours-{sketch}"),
-        (f"ours ({sketch}) + compact activations", "ours+compact", {}, "compact",
-         f"ours-{sketch}+compact"),
+        (f"ours ({sketch}) + compact activations", "ours+compact", p.get("compact") or {},
+         "compact", f"ours-{sketch}+compact"),
         (f"checkpointing + ours ({sketch}) + compact activations", "ckpt+ours+compact", {}, None,
          f"ckpt+ours-{sketch}+compact"),
         (f"LoRA + ours ({sketch})", "lora+ours", p.get("lora"), None, None),
@@ -788,6 +788,7 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
         "'none' is the method without a sketch: the exact model for the paper's layout and ours, "
         "activation checkpointing alone (HF gradient checkpointing, non-reentrant: each encoder "
         "layer keeps its input and recomputes the rest in backward) for 'checkpointing + ours', "
+        "compact activations alone (the exact linear layers) for 'ours + compact activations', "
         "LoRA alone for 'LoRA + ours', not measured ('-') where the family's sketch-free variant "
         "is not a row of its own. 'compact activations': patch_activations' defaults (dropout "
         "masks from seeds, attention probabilities and Q, K, V recomputed in backward from each "

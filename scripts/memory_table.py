@@ -23,8 +23,9 @@ encoder layer keeps only its input and recomputes the rest in backward) and ``ck
 (checkpointing and our layers together, at each rate). The saved-tensor hooks see what
 checkpointing keeps: the non-reentrant variant saves each layer's inputs through them
 (``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one);
-``ours+compact`` and ``ckpt+ours+compact`` (the same, then ``patch_activations`` with its defaults:
-dropout masks from seeds, attention recomputed in backward, 2-bit GELU codes); ``lora``,
+``compact`` (the exact model with ``patch_activations``' defaults: dropout masks from seeds,
+attention recomputed in backward, 2-bit GELU codes), ``ours+compact`` and ``ckpt+ours+compact``
+(the same on ours, and on checkpointing + ours); ``lora``,
 ``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
 pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
 the adapters' ``lora_A`` inputs), whose peak holds gradients and AdamW state only for the adapters
@@ -83,9 +84,9 @@ RHOS = (0.5, 0.2, 0.1)
 MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
 
 
-METHOD_KINDS = ("exact", "ckpt", "paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",
-                "lora", "lora+ckpt", "lora+ours", "lora+ours+compact")
-SINGLE = ("exact", "ckpt", "lora", "lora+ckpt")  # one record per point
+METHOD_KINDS = ("exact", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+compact",
+                "ckpt+ours+compact", "lora", "lora+ckpt", "lora+ours", "lora+ours+compact")
+SINGLE = ("exact", "ckpt", "compact", "lora", "lora+ckpt")  # one record per point
 PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  # one per rate
            "lora+ours", "lora+ours+compact")
 # patch_activations' defaults, written out so that each record says what it measured.
@@ -100,11 +101,14 @@ CKPT_KWARGS = {"use_reentrant": False}
 def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     """Name -> ``{"patch": patch_linear keyword arguments or None, "ckpt": bool}`` (and
     ``"activations"``: patch_activations keyword arguments, for the compact kinds). Names are
-    ``exact``, ``ckpt`` and ``<kind>@<rho>`` for the per-rate kinds."""
+    the single kinds (``exact``, ``ckpt``, ``compact``, ...) and ``<kind>@<rho>`` for the per-rate
+    kinds."""
     out: dict[str, dict] = {}
     for kind in SINGLE:
         if kind in kinds:
             out[kind] = {"patch": None, "ckpt": "ckpt" in kind.split("+")}
+            if kind == "compact":
+                out[kind]["activations"] = dict(COMPACT)
     for kind in PER_RHO:
         if kind not in kinds:
             continue

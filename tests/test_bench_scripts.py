@@ -300,6 +300,11 @@ def test_memory_table_quick(tmp_path):
                 compact = p[f"{scheme}+compact"][r]
                 assert compact["saved_activation_bytes"] < p[scheme][r]["saved_activation_bytes"]
                 assert compact["activations"]["attention"] == "recompute"
+        # Compact activations alone: the exact linear layers, the rest compact.
+        alone = p["compact"]
+        assert "patch" not in alone and alone["activations"]["attention"] == "recompute"
+        assert exact > alone["saved_activation_bytes"] > \
+            p["ours+compact"]["0.5"]["saved_activation_bytes"]
         # LoRA: the frozen base layers keep no input; the sketch shrinks what the adapters keep,
         # compact activations the rest; checkpointing keeps the layer inputs only.
         lora = p["lora"]["saved_activation_bytes"]
@@ -332,6 +337,10 @@ def test_memory_table_quick(tmp_path):
     for family in ("ours (blocksrht) + compact activations", "LoRA + ours (blocksrht) |",
                    "LoRA + ours (blocksrht) + compact activations", "LoRA + checkpointing"):
         assert f"| {family}" in table, family
+    # The compact family's sketch-free column is compact activations alone, measured.
+    row = next(line for line in table.splitlines()
+               if line.startswith("| cola (8) |") and "| ours (blocksrht) + compact activations |" in line)
+    assert row.split(" | ")[4].split(" / ")[0] != "-"
     assert (tmp_path / "figures" / "figure3_memory.png").stat().st_size > 0
 
 
