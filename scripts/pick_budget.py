@@ -2,8 +2,9 @@
 how fast it trains, for one model and one GLUE task.
 
 For the exact model, ours (``--sketch``, the recommended layout: Q/K/V share one sketch, padding
-rows skipped, head exact) at each rate, activation checkpointing, and checkpointing + ours, each of
-the last two also with compact activations (``patch_activations``' defaults):
+rows skipped, head exact) at each rate, activation checkpointing, and checkpointing + ours; the
+exact model and each of the last two also with compact activations (``patch_activations``'
+defaults):
 
 - **fixed part**, measured on the model: the bytes of its weights, of their gradients and of AdamW's
   two moments, allocated for real (a step on zero gradients) and summed;
@@ -99,7 +100,7 @@ def reference_lengths(lengths: list[int], batch: int, seed: int = 0) -> list[int
 def configurations(sketch: str) -> dict[str, dict]:
     """Name -> memory_table method, in the order they are printed."""
     all_methods = mt.methods(sketch)
-    names = ["exact", *[f"{kind}@{r:g}" for kind in ("ours", "ours+compact") for r in RHOS],
+    names = ["exact", "compact", *[f"{kind}@{r:g}" for kind in ("ours", "ours+compact") for r in RHOS],
              "ckpt", *[f"{kind}@{r:g}" for kind in ("ckpt+ours", "ckpt+ours+compact")
                        for r in RHOS]]
     return {n: all_methods[n] for n in names}
@@ -158,7 +159,7 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
         per_example = per_token * l_max + recompute
         room = budget - fixed
         largest = max(0, math.floor(room / per_example)) if room > 0 else 0
-        bench = {"exact": "exact", "ckpt": "ckpt", "ours": f"ours-{sketch}",
+        bench = {"exact": "exact", "compact": "compact", "ckpt": "ckpt", "ours": f"ours-{sketch}",
                  "ckpt+ours": f"ckpt+ours-{sketch}", "ours+compact": f"ours-{sketch}+compact",
                  "ckpt+ours+compact": f"ckpt+ours-{sketch}+compact"}[kind]
         bench = bench if not rho else f"{bench}@{rho}"
@@ -173,7 +174,7 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
     return rows
 
 
-LABELS = {"exact": "exact", "ours": "ours", "ckpt": "checkpointing",
+LABELS = {"exact": "exact", "compact": "compact activations", "ours": "ours", "ckpt": "checkpointing",
           "ckpt+ours": "checkpointing + ours", "ours+compact": "ours + compact activations",
           "ckpt+ours+compact": "checkpointing + ours + compact activations"}
 
