@@ -94,10 +94,15 @@ COMPARISONS = [
     ("cola", IMPORTANCE_ALLOC, EXACT),
     ("cola", IMPORTANCE_ALLOC, REC),
     ("cola", key_of("blocksrht", "ours+ckpt", 0.1), REC),
-    # Compact activations: their own cost at 0.1, and 0.2 with them (fewer bytes than 0.1 alone)
-    # against exact.
+    # Compact activations: their own cost at 0.1 and 0.2, and 0.2 with them (fewer bytes than 0.1
+    # alone) against exact.
     ("cola", key_of("blocksrht", "ours+compact", 0.1), REC),
+    ("cola", key_of("blocksrht", "ours+compact", 0.2), key_of("blocksrht", "ours", 0.2)),
     ("cola", key_of("blocksrht", "ours+compact", 0.2), EXACT),
+    # Compact activations on the exact linear layers, which keep fewer bytes than the sketch alone
+    # at 0.1: against exact, and against the sketch at 0.1.
+    ("cola", key_of("exact", "compact"), EXACT),
+    ("cola", key_of("exact", "compact"), REC),
     # The authors' deterministic 3-bit GELU code in place of the 2-bit stochastic one.
     ("cola", key_of("blocksrht", "ours+compact(gelu_bits=3,gelu_code=optimal)", 0.1), REC),
     ("cola", key_of("blocksrht", "ours+compact(gelu_bits=3,gelu_code=optimal)", 0.1),
@@ -989,7 +994,8 @@ def figure6(bench_dir: Path, out: Path) -> None:
 
 def figure3(memory_dir: Path, out: Path) -> None:
     """Saved-activation memory (and, where measured, the peak of a training step) against batch
-    size per rate (roberta-base, real lengths): the paper's layout, ours, and checkpointing."""
+    size per rate (roberta-base, real lengths): the paper's layout, ours, ours with compact
+    activations (and compact activations alone), and checkpointing."""
     points = load_memory(memory_dir)
     curve = [p for p in points if p.get("table") == "figure3"]
     if not curve:
@@ -1024,6 +1030,11 @@ def figure3(memory_dir: Path, out: Path) -> None:
         for ax, (sch, title) in zip(ax_row, columns, strict=True):
             ax.plot(xs, [value(p["exact"]) / 2**30 for p in row_pts], marker="o", color="k",
                     lw=2, label="exact")
+            if sch == "ours+compact":
+                ys = [value(p.get("compact") or {}) for p in row_pts]
+                if None not in ys:
+                    ax.plot(xs, [v / 2**30 for v in ys], color="gray", ls="--", marker="s",
+                            lw=1.5, label="compact activations alone")
             if sch == "ckpt+ours":
                 ys = [value(p["ckpt"]) for p in row_pts]
                 if None not in ys:
