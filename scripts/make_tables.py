@@ -506,7 +506,8 @@ def table2(runs: list[dict], experiment: str, stem: Path, majority: dict | None 
             row += [text, pair]
         row.append(f"{statistics.fmean(drops):+.2f}" if drops else "-")
         if "cola" in tasks:
-            paper = PAPER_TABLE4.get((key[1], -key[3])) if key[1] in ("exact", "gaussian") else None
+            paper = (PAPER_TABLE4.get((key[1], -key[3]))
+                     if key[1] in ("exact", "gaussian") and key[2] in ("-", "paper") else None)
             row.append(f"{paper[0]:.2f}" if paper else "-")
         rows.append(row)
     if majority:
@@ -548,9 +549,12 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
         rs = groups[key]
         s = mean_sd([score(r) for r in rs])[0]
         sketch, layout, rho = key[1], key[2], -key[3]
-        paper = PAPER_TABLE4.get((sketch, rho))
-        if sketch == "exact":
+        # The paper's numbers belong to its own layouts only: exact alone, the sketch in its layout.
+        paper = PAPER_TABLE4.get((sketch, rho)) if layout in ("-", "paper") else None
+        if key == EXACT:
             step_name, layer_name = "exact", "nn.Linear"
+        elif sketch == "exact":  # the exact layers with checkpointing or compact activations
+            step_name, layer_name = {"compact": "compact", "ckpt": "ckpt"}.get(layout), None
         else:
             # The benchmark times MiniLM steps without checkpointing, and one layer alone: no
             # ratio of either stands for a checkpointed row, nor the layer for a compact one.
@@ -563,8 +567,8 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
         rows.append([
             sketch, layout, f"{rho:g}" if sketch != "exact" else "-",
             fmt_score([score(r) for r in rs]),
-            f"{s - base_score:+.2f}" if base_score is not None and sketch != "exact" else "-",
-            fmt_paired(paired(rs, base)) if base and sketch != "exact" else "-",
+            f"{s - base_score:+.2f}" if base_score is not None and key != EXACT else "-",
+            fmt_paired(paired(rs, base)) if base and key != EXACT else "-",
             fmt_ratio(step.get(step_name)), fmt_ratio(layer.get(layer_name)),
             f"{paper[0]:.2f}" if paper else "-", paper[1] if paper else "-",
         ])

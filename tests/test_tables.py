@@ -419,7 +419,9 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
         small["identity"]["activations"] = compact
         other = fake_run("cola", "blocksrht", 0.1, seed, 0, 100, share=True)
         other["identity"]["activations"] = {**compact, "gelu_bits": 3, "gelu_code": "optimal"}
-        runs["minilm_cpu"] += [small, other]
+        alone = fake_run("cola", "exact", 1.0, seed, exact + 2 - seed, 100)  # +1, 0, -1
+        alone["identity"]["activations"] = compact
+        runs["minilm_cpu"] += [small, other, alone]
         for sketch, rho, value in (("exact", 1.0, 30 + seed), ("blocksrht", 0.1, 29 + 2 * seed)):
             run = fake_run("cola", sketch, rho, seed, value, 100, share=sketch != "exact",
                            learning_rate=3e-3)
@@ -438,6 +440,11 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
     assert "| blocksrht | ours+compact | 0.1 | 46.67 ± 3.06 (n=3) | -6.33 | -6.33 ± 0.33 (n=3) |" \
         in table4
     assert "| blocksrht | ours | 0.1 | 47.67 ± 2.52 (n=3) |" in table4
+    # Compact activations on the exact layers: paired with exact like any method, and the paper's
+    # exact score and time are not theirs.
+    assert "| exact | - | - | 53.00 ± 3.61 (n=3) | - | - | - | - | 60.90 | 08:44 |" in table4
+    assert "| exact | compact | - | 53.00 ± 2.65 (n=3) | +0.00 | +0.00 ± 0.58 (n=3) | - | - | - | - |" \
+        in table4
     # Other compact settings: a row of their own, named by what differs.
     assert "| blocksrht | ours+compact(gelu_bits=3,gelu_code=optimal) | 0.1 | 0.00 ± 0.00 (n=3) |" \
         in table4
