@@ -26,7 +26,8 @@ LAYER = "layer_cpu"
 # Model runs, in order of preference for the saved-bytes numbers (all runs measure them identically).
 MODEL_FILES = ("model_cpu_roberta_bytes", "model_cpu_roberta_time", "model_cpu_roberta_gauss",
                "model_cpu_roberta_ckpt", "model_cpu_roberta_exactskip", "model_cpu_roberta_memory",
-               "model_cpu_roberta_compact_bytes", "model_cpu_roberta_compact_time")
+               "model_cpu_roberta_compact_bytes", "model_cpu_roberta_compact_time",
+               "model_cpu_roberta_compact_alone_time")
 OVERHEAD = "overhead_cpu"
 # Importance sampling against blocksrht: variance on real batches, one layer's time, a step's time.
 IMPORTANCE = ("importance_variance", "layer_cpu_importance", "model_cpu_minilm_importance")

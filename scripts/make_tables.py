@@ -883,10 +883,17 @@ def _recipe_text(runs: list[dict]) -> str:
     return ", ".join(bits)
 
 
+def figure5_runs(runs: list[dict], experiment: str) -> list[dict]:
+    """The runs Figure 5 draws: CoLA, seed 1, the exact model and the Gaussian sketch in the
+    paper's layout (not with checkpointing or compact activations), with a loss curve."""
+    return [r for r in runs if r["_experiment"] == experiment and r["task"] == "cola"
+            and r["seed"] == 1 and (r["sketch"], scheme(r)) in (("exact", "-"), ("gaussian", "paper"))
+            and r.get("loss_curve")]
+
+
 def figure5(runs: list[dict], experiment: str, out: Path) -> None:
     """Train loss (every logging step) and dev loss (every epoch) on CoLA, one line per rate."""
-    runs = [r for r in runs if r["_experiment"] == experiment and r["task"] == "cola"
-            and r["seed"] == 1 and r["sketch"] in ("exact", "gaussian") and r.get("loss_curve")]
+    runs = figure5_runs(runs, experiment)
     if not runs:
         return
     plt = _pyplot()

@@ -435,6 +435,11 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(r))
     make_tables.main(["--results", str(tmp_path)])
+    # Figure 5 draws the exact model of seed 1, not its compact twin.
+    drawn = make_tables.figure5_runs([{**r, "_experiment": "minilm_cpu"}
+                                      for r in runs["minilm_cpu"]], "minilm_cpu")
+    assert [(r["sketch"], r["seed"], "activations" in r["identity"]) for r in drawn] == \
+        [("exact", 1, False)]
     table4 = (tmp_path / "tables/table4.md").read_text()
     # 44, 46, 50 against exact's 50, 52, 57: -6, -6, -7, mean -6.33, SE 0.33.
     assert "| blocksrht | ours+compact | 0.1 | 46.67 ± 3.06 (n=3) | -6.33 | -6.33 ± 0.33 (n=3) |" \
