@@ -112,10 +112,11 @@ seeds-cpu: install  ## more seeds where the CPU tables make claims: CoLA exact, 
 	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours method.rho=0.2 train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=stsb,sst2 method=exact,$(REC),importance scheme=ours method.rho=0.1 train.seed=1,2,3 $(ARGS)
 
-compact-cpu: install  ## compact activations on this CPU: CoLA exact, REC 0.1 and REC 0.2 with activations=compact, 5 seeds each (as their baselines); MRPC, STS-B 0.2, 1 seed (data/glue)
+compact-cpu: install  ## compact activations on this CPU: CoLA exact, REC 0.1 and REC 0.2 with activations=compact, 5 seeds each (as their baselines); MRPC, STS-B 0.2, 1 seed; MRPC, STS-B, SST-2 exact, 3 seeds (data/glue)
 	$(TRAIN) -m experiment=table4_cpu method=$(REC) scheme=ours activations=compact method.rho=0.1,0.2 train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours activations=compact train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb method=$(REC) scheme=ours activations=compact method.rho=0.2 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb,sst2 method=exact scheme=ours activations=compact train.seed=1,2,3 $(ARGS)
 
 lora-cpu: install  ## LoRA on this CPU: its learning rate on CoLA (3 rates, seed 1), then LoRA and LoRA + REC 0.1, 3 seeds (data/glue)
 	$(TRAIN) -m experiment=tune_cpu_lora $(ARGS)

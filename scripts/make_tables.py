@@ -110,6 +110,7 @@ COMPARISONS = [
     *[(task, method, baseline) for task in ("mrpc", "stsb", "sst2")
       for method, baseline in ((IMPORTANCE, REC), (IMPORTANCE, EXACT), (REC, EXACT))],
     *[(task, key_of("blocksrht", "ours+compact", 0.2), EXACT) for task in ("mrpc", "stsb")],
+    *[(task, key_of("exact", "compact"), EXACT) for task in ("mrpc", "stsb", "sst2")],
 ]
 # LoRA (experiment=lora_cpu, its own learning rate): the sketch on the adapters against LoRA alone.
 LORA = key_of("exact", "lora")
