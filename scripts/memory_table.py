@@ -107,8 +107,6 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     for kind in SINGLE:
         if kind in kinds:
             out[kind] = {"patch": None, "ckpt": "ckpt" in kind.split("+")}
-            if kind == "compact":
-                out[kind]["activations"] = dict(COMPACT)
     for kind in PER_RHO:
         if kind not in kinds:
             continue
@@ -121,10 +119,10 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
             else:
                 patch = dict(sketch=sketch, rho=rho, exclude="classifier")
             out[f"{kind}@{rho:g}"] = {"patch": patch, "ckpt": "ckpt" in kind.split("+")}
-            if kind.endswith("+compact"):
-                out[f"{kind}@{rho:g}"]["activations"] = dict(COMPACT)
     lora = lora_keys() if any(name.startswith("lora") for name in out) else None
     for name, method in out.items():
+        if "compact" in name.partition("@")[0].split("+"):
+            method["activations"] = dict(COMPACT)
         if name.startswith("lora"):
             method["lora"] = dict(lora)
     return out
