@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu lora-cpu memory tables budget architectures
+.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -117,6 +117,14 @@ compact-cpu: install  ## compact activations on this CPU: CoLA exact, REC 0.1 an
 	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours activations=compact train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb method=$(REC) scheme=ours activations=compact method.rho=0.2 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=mrpc,stsb,sst2 method=exact scheme=ours activations=compact train.seed=1,2,3 $(ARGS)
+
+bits-cpu: install  ## b-bit stored rows on this CPU: CoLA exact + 4/2/8 bits, 4 bits + compact, 5 seeds; SST-2, STS-B 4 bits alone and + compact, 3 seeds (data/glue)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4,2 train.seed=1,2,3 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4 activations=compact train.seed=1,2,3 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=8 train.seed=1,2,3 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4,2,8 train.seed=4,5 $(ARGS)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4 activations=compact train.seed=4,5 $(ARGS)
+	$(TRAIN) -m experiment=table2_cpu task=sst2,stsb method=exact scheme=ours method.bits=4 activations=stored,compact train.seed=1,2,3 $(ARGS)
 
 lora-cpu: install  ## LoRA on this CPU: its learning rate on CoLA (3 rates, seed 1), then LoRA and LoRA + REC 0.1, 3 seeds (data/glue)
 	$(TRAIN) -m experiment=tune_cpu_lora $(ARGS)

@@ -111,6 +111,16 @@ COMPARISONS = [
       for method, baseline in ((IMPORTANCE, REC), (IMPORTANCE, EXACT), (REC, EXACT))],
     *[(task, key_of("blocksrht", "ours+compact", 0.2), EXACT) for task in ("mrpc", "stsb")],
     *[(task, key_of("exact", "compact"), EXACT) for task in ("mrpc", "stsb", "sst2")],
+    # b-bit stored rows on the exact linear layers (method=exact method.bits=b): each against
+    # exact; 2 bits (fewer bytes than the sketch at 0.1) against the sketch at 0.1; 4 bits with
+    # compact activations against exact and against compact activations alone.
+    *[("cola", key_of("exact", f"int{b}"), EXACT) for b in (8, 4, 2)],
+    ("cola", key_of("exact", "int2"), REC),
+    ("cola", key_of("exact", "int4"), REC),
+    *[(task, key_of("exact", layout), EXACT) for task in ("cola", "sst2", "stsb")
+      for layout in ("int4+compact",)],
+    ("cola", key_of("exact", "int4+compact"), key_of("exact", "compact")),
+    *[(task, key_of("exact", "int4"), EXACT) for task in ("sst2", "stsb")],
 ]
 # LoRA (experiment=lora_cpu, its own learning rate): the sketch on the adapters against LoRA alone.
 LORA = key_of("exact", "lora")
@@ -203,8 +213,9 @@ def scheme(run: dict) -> str:
     """``paper`` (per-layer sketches, padding included) or ``ours``, from the run's config;
     ``+alloc`` when rows were allocated by variance, ``+ckpt`` when the run used activation
     checkpointing, ``+compact`` with compact activations (``activations=compact``; other
-    settings than :data:`COMPACT` are named: ``+compact(gelu_bits=3,gelu_code=optimal)``), and
-    ``lora+`` in front for a LoRA adapter. The exact model's layout is ``-`` alone, else these
+    settings than :data:`COMPACT` are named: ``+compact(gelu_bits=3,gelu_code=optimal)``),
+    ``+int4`` for rows stored as 4-bit codes (``method.bits=4``), and ``lora+`` in front for a
+    LoRA adapter. The exact model's layout is ``-`` alone, else these
     parts joined: ``lora+ckpt``."""
     ident = run.get("identity", {})
     parts = ["lora"] if ident.get("adapter", {}).get("name", "none") != "none" else []
@@ -214,6 +225,9 @@ def scheme(run: dict) -> str:
                      else "paper")
         if method.get("allocate", "uniform") == "variance":
             parts.append("alloc")
+    bits = ident.get("method", {}).get("bits")
+    if bits is not None:  # stored rows as b-bit codes (method.bits)
+        parts.append(f"int{bits}")
     if ident.get("train", {}).get("gradient_checkpointing", False):
         parts.append("ckpt")
     # runs.identity leaves the activations out at their neutral (stored) value.

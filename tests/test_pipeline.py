@@ -303,6 +303,25 @@ def test_exact_method_is_unpatched_and_named_rho_1(tmp_path, glue_dir):
     filed(tmp_path, "results/runs/default/cola/exact-rho1.0-seed1-*.json")
 
 
+def test_exact_method_with_bits_patches_and_codes_its_rows(tmp_path, glue_dir):
+    """method=exact method.bits=4 patches every linear layer but the head with the exact sketch
+    and 4-bit rows: a run of its own (bits and group in its identity, the rate not), fewer saved
+    bytes than exact; its group size and scheme count, and exact alone stays unpatched."""
+    base = overrides(tmp_path, glue_dir, "method=exact", "scheme=ours", "train.max_steps=2")
+    exact = run(compose(base), output_dir=tmp_path / "exact")
+    coded = run(compose([*base, "method.bits=4"]), output_dir=tmp_path / "coded")
+    assert (exact["patched_layers"], coded["patched_layers"]) == (0, 12)
+    assert coded["bits"] == 4 and exact["bits"] is None
+    assert coded["identity"]["method"]["bits"] == 4 and "rho" not in coded["identity"]["method"]
+    assert exact["identity"]["method"] == {"sketch": "exact"}
+    assert coded["saved_activation_bytes"] < 0.9 * exact["saved_activation_bytes"]
+    assert len(list((tmp_path / "results/runs/default/cola").glob("exact-rho1.0-seed1-*"))) == 2
+    files = [run_files(validate(compose(o)), compose(o), glue_dir).ident for o in (
+        [*base, "method.bits=4"], [*base, "method.bits=4", "method.group=32"],
+        [*base, "method.bits=4", "scheme=paper"], [*base, "method.bits=4", "method.rho=0.5"])]
+    assert files[0] != files[1] and files[0] != files[2] and files[0] == files[3]
+
+
 def test_compact_activations_run_and_count_what_they_keep(tmp_path, glue_dir):
     """activations=compact patches the tiny model's 8 dropout and 2 GELU modules and switches its
     attention; the saved bytes in the result count the codes and seeds, not what they replace."""
@@ -493,7 +512,8 @@ def test_a_short_run_never_stands_in_for_the_full_run(tmp_path, glue_dir, capsys
     "method.rho=0.2", "method.min_rows=4", "method.targets=query", "scheme=paper",
     "model.random.hidden_size=16", "train.gradient_checkpointing=true", "train.seed=2",
     "task=stsb", "method.allocate=variance", "method=importance", "adapter=lora",
-    "activations=compact", "activations.gelu_bits=2", "activations.dropout=seeded"])
+    "activations=compact", "activations.gelu_bits=2", "activations.dropout=seeded",
+    "method.bits=4"])
 def test_identity_covers_every_setting_that_changes_the_result(tmp_path, glue_dir, change):
     base = overrides(tmp_path, glue_dir)
     a = run_files(validate(compose(base)), compose(base), glue_dir)
@@ -513,7 +533,7 @@ def test_identity_covers_every_adapter_key(tmp_path, glue_dir, change):
 @pytest.mark.parametrize("change", [
     "train.logging_steps=7", "train.checkpoint=false", "train.resume=false", "threads=1",
     "logger=wandb", "experiment_name=default", "results_dir=/elsewhere", "overwrite=true",
-    "activations=stored", "activations.gelu_code=optimal"])
+    "activations=stored", "activations.gelu_code=optimal", "method.group=32", "method.bits=null"])
 def test_identity_leaves_out_what_cannot_change_the_result(tmp_path, glue_dir, change):
     base = overrides(tmp_path, glue_dir)
     a = run_files(validate(compose(base)), compose(base), glue_dir)

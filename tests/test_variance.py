@@ -430,7 +430,7 @@ def test_tracker_keeps_no_tensor_after_backward():
     model(torch.randn(64, 32)).sum().backward()
     for tracker in trackers(model).values():
         (pending,) = tracker._pending
-        assert pending[-1].numel() == 6       # six scalars per step, not X, not the row norms
+        assert pending[-1].numel() == 7       # seven scalars per step, not X, not the row norms
     tracker = trackers(model)["0"]
     tracker.FLUSH_EVERY = 3                   # long runs: pending statistics move to the CPU
     for _ in range(3):

@@ -90,11 +90,12 @@ class VarianceAllocation:
         at its uniform rate, of ``n``."""
 
         @torch.no_grad()
-        def observe(dy2, x_shape, rows, sx, sdy, dw, ntop):
+        def observe(dy2, x_shape, rows, sx, sdy, dw, ntop, qvar=None):
             design, n_pop = estimator_design(sketch, n, k)
-            total, diag, rest = sample_stats(sx, sdy, dw, ntop)
+            total, diag, rest, quant = sample_stats(sx, sdy, dw, ntop, qvar)
             xty = xty_estimate(total, diag, k, design, n_pop, rest, ntop)
-            stat = torch.stack([(k - ntop) / k_uniform * (total - xty), xty]).double()
+            # b-bit rows: their rounding variance scales as 1/k like the sketch's, so it counts.
+            stat = torch.stack([(k - ntop) / k_uniform * (total + quant - xty), xty]).double()
             self._sums[name] = self._sums[name] + stat if name in self._sums else stat
             self._calls[name] = self._calls.get(name, 0) + 1
             self._cost[name] = sx.shape[1] * k_uniform

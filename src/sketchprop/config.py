@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from . import activations
 from .allocation import ALLOCATIONS
 from .layers import DEFAULT_MIN_ROWS
+from .quantize import BITS, DEFAULT_GROUP
 from .sketches import SKETCHES
 
 __all__ = [
@@ -156,11 +157,24 @@ class MethodConfig:
     # uniform: every layer at rho; variance: the same stored bytes, rows moved to the layers with
     # the noisiest gradients, learned online (sketchprop.allocation)
     allocate: Allocate = Allocate.uniform
+    # Store the rows kept for dW (the sketch's, or X itself with sketch: exact, which then patches
+    # the model) as packed b-bit codes with unbiased rounding; null stores them as they are.
+    bits: int | None = None
+    group: int = DEFAULT_GROUP  # columns per scale of the b-bit codes
 
     def __post_init__(self):
         _check(0.0 < self.rho <= 1.0, "method.rho", self.rho,
                "a compression rate in (0, 1], e.g. method.rho=0.1")
         _check(self.min_rows >= 1, "method.min_rows", self.min_rows, "an integer >= 1")
+        _check(self.bits is None or self.bits in BITS, "method.bits", self.bits,
+               f"null or one of {', '.join(map(str, BITS))}, e.g. method.bits=4")
+        _check(self.group >= 8 and self.group % 8 == 0, "method.group", self.group,
+               "a positive multiple of 8, e.g. method.group=64")
+
+    @property
+    def patches(self) -> bool:
+        """Whether the linear layers are patched: every sketch, and exact with ``bits``."""
+        return self.sketch.value != "exact" or self.bits is not None
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .quantize import dequantize
 from .sketches import ImportancePlan, Sketch
 
 __all__ = ["SketchedLinearFunction", "seed_tensor", "sketched_linear"]
@@ -43,16 +44,19 @@ class SketchedLinearFunction(torch.autograd.Function):
     :class:`~sketchprop.variance.VarianceTracker`) and ``tstate`` (the tensor its ``forward``
     returned; saved for backward, then passed to ``tracker.backward``), ``plan`` (an
     :class:`~sketchprop.sketches.ImportancePlan` for a data-dependent sketch, saved instead of the
-    seed) and ``hooks`` (callables ``hook(dy2, x_shape, rows, sx, sdy, dw, ntop)`` run after the
-    weight gradient: the gradient-norm estimate and the row allocation learn from them).
+    seed), ``hooks`` (callables ``hook(dy2, x_shape, rows, sx, sdy, dw, ntop, qvar)`` run after
+    the weight gradient: the gradient-norm estimate and the row allocation learn from them),
+    ``quant`` (a :class:`~sketchprop.quantize.QuantSpec` when ``sx`` is the packed payload of
+    :func:`~sketchprop.quantize.quantize`, decoded in backward) and ``qvar`` (the stored rows'
+    rounding variances, saved only for the tracker and the hooks).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, sx, sketch: Sketch, k: int, seed: int, rows, tracker,
-                tstate=None, plan=None, hooks=()):
+                tstate=None, plan=None, hooks=(), quant=None, qvar=None):
         out = F.linear(x, weight, bias)
         need_x, need_w, _ = ctx.needs_input_grad[:3]
-        ctx.sketch, ctx.k, ctx.tracker, ctx.hooks = sketch, k, tracker, hooks
+        ctx.sketch, ctx.k, ctx.tracker, ctx.hooks, ctx.quant = sketch, k, tracker, hooks, quant
         ctx.x_shape = x.shape
         ctx.has_rows = rows is not None
         # Save only what the requested gradients need: a frozen weight keeps no sketch at all, and
@@ -64,12 +68,13 @@ class SketchedLinearFunction(torch.autograd.Function):
         saved.append(seed_tensor(seed) if needs_seed else None)
         saved.extend([plan.index, plan.scale, plan.ntop] if (need_w and plan is not None)
                      else [None, None, None])
+        saved.append(qvar if (need_w and (tracker is not None or hooks)) else None)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        weight, sx, rows, tstate, seed, index, scale, ntop = ctx.saved_tensors
+        weight, sx, rows, tstate, seed, index, scale, ntop, qvar = ctx.saved_tensors
         seed = 0 if seed is None else int(seed)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -77,6 +82,8 @@ class SketchedLinearFunction(torch.autograd.Function):
         if need_x:
             dx = (dy2 @ weight).reshape(ctx.x_shape)
         if need_w:
+            if ctx.quant is not None:
+                sx = dequantize(sx, ctx.quant)
             if index is not None:
                 sdy = ImportancePlan(index, scale, ntop).apply(dy2)
                 ntop = int(ntop)
@@ -85,12 +92,13 @@ class SketchedLinearFunction(torch.autograd.Function):
                 ntop = 0
             dw = sdy.T @ sx
             if ctx.tracker is not None:
-                ctx.tracker.backward(tstate, dy2, rows, sdy, sx, dw, ctx.sketch, ctx.k, ntop)
+                ctx.tracker.backward(tstate, dy2, rows, sdy, sx, dw, ctx.sketch, ctx.k, ntop,
+                                     qvar)
             for hook in ctx.hooks:
-                hook(dy2, ctx.x_shape, rows, sx, sdy, dw, ntop)
+                hook(dy2, ctx.x_shape, rows, sx, sdy, dw, ntop, qvar)
         if need_b:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
 
 
 def seed_tensor(seed) -> Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .functional import SketchedLinearFunction, seed_tensor
+from .quantize import DEFAULT_GROUP, QuantSpec, check_bits, check_group, quantize
 from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
 
 __all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "conv1d_class",
@@ -80,7 +81,7 @@ class SketchContext:
         return None
 
     def lookup(self, key: tuple, x: Tensor) -> tuple | None:
-        """``(sx, seed, plan, owner)`` stored for input ``x`` under ``key``, or None."""
+        """``(sx, seed, plan, owner, qvar)`` stored for input ``x`` under ``key``, or None."""
         hit = self._shared.get(key)
         if hit is None:
             return None
@@ -91,10 +92,10 @@ class SketchContext:
             return None
         return (sx, *rest)
 
-    def store(self, key: tuple, x: Tensor, sx: Tensor, seed, plan, owner) -> None:
+    def store(self, key: tuple, x: Tensor, sx: Tensor, seed, plan, owner, qvar=None) -> None:
         for k in [k for k, (xr, sr, *_) in self._shared.items() if xr() is None or sr() is None]:
             del self._shared[k]
-        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed, plan, owner)
+        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed, plan, owner, qvar)
 
 
 class RandomizedLinear(nn.Linear):
@@ -120,10 +121,16 @@ class RandomizedLinear(nn.Linear):
     ``(in, out)`` weight (``fan_in_fan_out``, as peft names it) and computes with its transpose, a
     view: the Parameter, its state_dict key and any weight tied to it are unchanged.
 
+    With ``bits`` (8, 4 or 2) the stored rows (the sketch, or ``X`` itself when the sketch is
+    exact) are kept as packed ``bits``-bit codes, ``group`` columns sharing a scale, rounded
+    stochastically so that ``dW`` stays unbiased (:mod:`sketchprop.quantize`); the rounding's
+    random numbers come from the same per-layer stream as the sketch's seeds.
+
     Args:
         sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.
         rho: compression rate in (0, 1].
         min_rows: lower bound on ``B_proj``.
+        bits / group: code width of the stored rows (None: as they are) and columns per scale.
         seed: run seed. ``name``: the layer's qualified name (part of its seed).
         share_inputs / skip_padding: use the :class:`SketchContext` ``context`` (set by
             :func:`~sketchprop.patch_linear`) to share sketches of one input and skip padding rows.
@@ -145,13 +152,18 @@ class RandomizedLinear(nn.Linear):
         share_inputs: bool = False,
         skip_padding: bool = False,
         context: SketchContext | None = None,
+        bits: int | None = None,
+        group: int = DEFAULT_GROUP,
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._configure(sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context)
+        self._configure(sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context,
+                        bits, group)
 
-    def _configure(self, sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context):
+    def _configure(self, sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context,
+                   bits=None, group=DEFAULT_GROUP):
         self.sketch = get_sketch(sketch)
         self.rho = check_rho(rho)
+        self.bits, self.group = check_bits(bits), check_group(group)
         if int(min_rows) < 1:
             raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
         self.min_rows = int(min_rows)
@@ -202,7 +214,8 @@ class RandomizedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         fan = ", fan_in_fan_out=True" if self.fan_in_fan_out else ""
-        return f"{super().extra_repr()}{fan}, sketch={self.sketch.name}, rho={self.rho:g}"
+        bits = f", bits={self.bits}, group={self.group}" if self.bits else ""
+        return f"{super().extra_repr()}{fan}, sketch={self.sketch.name}, rho={self.rho:g}{bits}"
 
     def num_rows(self, n: int) -> tuple[int, int, bool]:
         """``(k, k_uniform, allocated)`` for a call covering ``n`` rows: the rows sketched, the rows
@@ -245,12 +258,15 @@ class RandomizedLinear(nn.Linear):
         sketch = self.sketch if k < n else SKETCHES["exact"]
 
         sx, seed, plan, tstate, hooks = None, 0, None, None, []
+        quant = qvar = None
         if self.weight.requires_grad:
-            key = (sketch.name, k, inp.dtype, rows is not None)
+            key = (sketch.name, k, inp.dtype, rows is not None, self.bits, self.group)
             shared = self.share_inputs and self.context is not None
             hit = self.context.lookup(key, x) if shared else None
+            # b-bit rows: the rounding variances feed the variance estimates, when any reads them.
+            want_qvar = self.tracker is not None or (allocated and not sketch.exact)
             if hit is not None:
-                sx, seed, plan, owner = hit
+                sx, seed, plan, owner, qvar = hit
                 self._join(owner)
             else:
                 draw = self._next_seed()
@@ -264,8 +280,13 @@ class RandomizedLinear(nn.Linear):
                         sx = sketch.apply(x2, k, draw, rows)
                         # One seed tensor per sketch: layers sharing the sketch save it once.
                         seed = seed_tensor(draw)
+                    if self.bits is not None:  # one payload per sketch: shared ones code once
+                        sx, _, qvar = quantize(sx, self.bits, self.group, draw, want_qvar)
                 if shared:
-                    self.context.store(key, x, sx, seed, plan, self)
+                    self.context.store(key, x, sx, seed, plan, self, qvar)
+            if self.bits is not None:
+                stored = n if sketch.exact else k
+                quant = QuantSpec(self.bits, self.group, stored, self.in_features, inp.dtype)
             if sketch.data_dependent:
                 hooks.append(self.grad_norms.hook())
             if allocated and not sketch.exact:
@@ -278,7 +299,8 @@ class RandomizedLinear(nn.Linear):
 
         with torch.autocast(device_type, enabled=False) if autocast else nullcontext():
             return SketchedLinearFunction.apply(inp, weight, bias, sx, sketch, k, seed, rows,
-                                                self.tracker, tstate, plan, tuple(hooks))
+                                                self.tracker, tstate, plan, tuple(hooks), quant,
+                                                qvar)
 
     def _join(self, owner: RandomizedLinear) -> None:
         """This layer reuses the sketch ``owner`` formed: learn one gradient-norm estimate for

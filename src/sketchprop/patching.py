@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from . import activations as act
 from .allocation import ALLOCATIONS, VarianceAllocation
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
+from .quantize import DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
 from .tracking import select_layers
 from .variance import VarianceTracker, estimator_design
@@ -157,6 +158,8 @@ def patch_linear(
     seed: int = 0,
     track_variance=None,
     allocate: str = "uniform",
+    bits: int | None = None,
+    group: int = DEFAULT_GROUP,
 ) -> list[str]:
     """Replace the linear layers of ``model`` in place by :class:`RandomizedLinear`.
 
@@ -190,6 +193,12 @@ def patch_linear(
         allocate: ``"uniform"`` (every layer at its ``rho``) or ``"variance"``: keep the total
             stored bytes of the uniform rates and move rows between layers to minimise the summed
             normalised gradient variance, learned online (:mod:`sketchprop.allocation`).
+        bits: store the rows each layer keeps for its weight gradient (the sketch's, or ``X``
+            itself with ``sketch="exact"``) as packed 8-, 4- or 2-bit codes with unbiased
+            stochastic rounding (:mod:`sketchprop.quantize`); None (default) stores them as they
+            are. ``dX`` and ``db`` stay exact.
+        group: columns per scale of the codes (default
+            :data:`~sketchprop.quantize.DEFAULT_GROUP`).
 
     Returns:
         The qualified names of the replaced modules, in module order.
@@ -199,9 +208,11 @@ def patch_linear(
             patterns that match no linear layer (the message names the types of the matched
             modules that hold weights of their own: a layer type it does not know), a
             ``track_variance`` that selects no replaced layer (or names one that is not replaced),
-            or an unknown ``allocate``. Nothing is changed when it raises.
+            an unknown ``allocate``, or ``bits`` / ``group`` out of their range. Nothing is
+            changed when it raises.
     """
     sketch_obj = get_sketch(sketch)
+    bits, group = check_bits(bits), check_group(group)
     if getattr(model, _HOOKS, None) is not None:
         raise ValueError("model is already patched; call unpatch_linear(model) first")
     names = find_linear(model, targets, exclude)
@@ -226,7 +237,7 @@ def patch_linear(
         layer = RandomizedLinear.from_linear(
             model.get_submodule(name), sketch=sketch_obj, rho=rates[name], min_rows=min_rows,
             seed=seed, name=name, share_inputs=share_inputs, skip_padding=skip_padding,
-            context=context,
+            context=context, bits=bits, group=group,
         )
         if name in tracked:
             layer.tracker = VarianceTracker(name)

@@ -77,7 +77,8 @@ NOT_RESULT_TRAIN_KEYS = ("seed", "logging_steps", "checkpoint", "resume")
 
 #: Settings added after runs were filed, at the value that reproduces the runs made before they
 #: existed. At that value a setting is left out of the identity, so adding one renames nothing.
-NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "world_size": 1,
+NEUTRAL = {"train.gradient_checkpointing": False, "method.allocate": "uniform", "method.bits": None,
+           "world_size": 1,
            "adapter": {"name": "none"},
            "activations": {"dropout": "stored", "attention": "stored", "gelu_bits": None}}
 
@@ -128,13 +129,19 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
     ``config``), its :func:`data_source` and the number of processes.
 
     A model from a local folder is known by ``model.name`` (its path is where it lies, not what it
-    is); a hub model also by its id. The exact method is unpatched, so only its name counts. An
+    is); a hub model also by its id. The exact method is unpatched, so only its name counts;
+    with ``bits`` it is patched with the exact sketch, and all but its rate counts. An
     adapter is known by its keys that are set (``none`` sets only its name); without a GELU code,
     the code's kind does not count.
     """
     method = dict(config["method"])
-    if method["sketch"] == "exact":
+    if method.get("bits") is None:  # without codes, their group size does not count
+        method.pop("group", None)
+    if method["sketch"] == "exact" and method.get("bits") is None:
         method = {"sketch": "exact"}
+    elif method["sketch"] == "exact":  # patched to code its stored rows: the rate does nothing
+        for key in ("rho", "min_rows", "allocate"):
+            method.pop(key, None)
     adapter = {k: v for k, v in config.get("adapter", {"name": "none"}).items() if v is not None}
     compact = dict(config.get("activations") or NEUTRAL["activations"])
     if compact.get("gelu_bits") is None:

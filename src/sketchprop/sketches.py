@@ -436,7 +436,7 @@ class GradNormEstimate:
 
     def hook(self):
         """A backward hook for :class:`~sketchprop.functional.SketchedLinearFunction`."""
-        def update(dy2, x_shape, rows, sx, sdy, dw, ntop):
+        def update(dy2, x_shape, rows, sx, sdy, dw, ntop, qvar=None):
             self.update(dy2, tuple(x_shape), rows)
         return update
 

@@ -412,7 +412,8 @@ def run(cfg: DictConfig, output_dir: str | os.PathLike | None = None, callbacks=
         lora = conf.adapter if conf.adapter.name.value == "lora" else None
         print(f"run: {conf.task.name}, {conf.model.name}{f' with LoRA r={lora.r}' if lora else ''}, "
               f"{conf.method.sketch.value}"
-              f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}, "
+              f"{'' if conf.method.sketch.value == 'exact' else f' rho={conf.method.rho:g}'}"
+              f"{f' bits={conf.method.bits}' if conf.method.bits else ''}, "
               f"seed {conf.train.seed}, data from "
               f"{'the hub ' + glue.HUB_DATASET if glue_dir is None else glue_dir}, {threads} torch "
               f"threads; identity {runs.run_stem(files.ident)}", flush=True)
@@ -518,14 +519,14 @@ def _patch(conf: Config, model) -> tuple[list[str], list[str]]:
 
     patched = []
     m = conf.method
-    if m.sketch.value != "exact":
+    if m.patches:
         patched = patch_linear(model, sketch=m.sketch.value, rho=m.rho, targets=m.targets,
                                exclude=m.exclude, share_inputs=m.share_inputs,
                                skip_padding=m.skip_padding, min_rows=m.min_rows,
                                seed=conf.train.seed, track_variance=m.track_variance,
-                               allocate=m.allocate.value)
-    log.info("%s: %d linear layers patched with %s, rho=%s", conf.model.name, len(patched),
-             m.sketch.value, m.rho)
+                               allocate=m.allocate.value, bits=m.bits, group=m.group)
+    log.info("%s: %d linear layers patched with %s, rho=%s%s", conf.model.name, len(patched),
+             m.sketch.value, m.rho, f", {m.bits}-bit rows (group {m.group})" if m.bits else "")
     compact, a = [], conf.activations
     if not a.stored:
         compact = patch_activations(model, dropout=a.dropout.value, attention=a.attention.value,
@@ -545,7 +546,7 @@ def _train(conf: Config, model, tokenizer, data, args, files: runs.RunFiles, res
     from . import measure
 
     epoch_logs = _history_callback()
-    if conf.method.track_variance and conf.method.sketch.value != "exact":
+    if conf.method.track_variance and conf.method.patches:
         from .tracking import VarianceCallback
 
         callbacks = [VarianceCallback(model=model), *callbacks]
@@ -595,6 +596,7 @@ def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, e
         "model": conf.model.name,
         "sketch": sketch,
         "rho": rho,
+        "bits": conf.method.bits,
         "seed": tc.seed,
         "identity": files.ident,
         "recipe": runs.recipe_hash(files.ident),
@@ -634,7 +636,7 @@ def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, e
                       else None),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
-    if conf.method.track_variance and sketch != "exact":
+    if conf.method.track_variance and conf.method.patches:
         from .tracking import collect
 
         result["variance"] = collect(trainer.model)

@@ -88,6 +88,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from .quantize import DEFAULT_GROUP, quantize
 from .sketches import (
     BlockSRHT,
     Exact,
@@ -107,6 +108,7 @@ __all__ = [
     "batch_stats",
     "expected_variance",
     "importance_variance",
+    "quantized_variance",
     "monte_carlo_variance",
     "sample_stats",
     "xty_estimate",
@@ -258,6 +260,17 @@ def importance_variance(x, y, top: Tensor, p: Tensor, m: int) -> float:
     return ((a2 / pr).sum() - (xr.T @ yr).square().sum()).item() / m
 
 
+def quantized_variance(x, y, bits: int, group: int = DEFAULT_GROUP) -> float:
+    """Exact variance ``E|dW^ - Y^T X|_F^2`` when the rows of ``x`` are stored as ``bits``-bit codes
+    (:mod:`sketchprop.quantize`, groups of ``group`` columns) and ``dW^ = Y^T Q(X)``: the rounding
+    errors are independent with variance ``step^2 f (1 - f)`` each (``f`` the value's fractional
+    position between its two levels), so ``sum_b |y_b|^2 sum_j step_bj^2 f_bj (1 - f_bj)``."""
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    _, _, row_var = quantize(x2, bits, group, seed=0, variance=True)  # the grid has no seed
+    return float((_sqnorm_rows(y2).double() * row_var.double()).sum())
+
+
 def _transform_matrix(sk: Sketch, n: int, device) -> Tensor | None:
     """The ``n x n`` orthonormal transform of a ``dct``/``dft`` sketch, read off the sketch itself
     (applied to the identity with unit signs and every row kept)."""
@@ -336,28 +349,42 @@ def xty_estimate(total, diag, k: int, design: str, n_pop: int, rest=None, ntop: 
     raise ValueError(f"unknown design {design!r}")
 
 
-def sample_stats(sx: Tensor, sdy: Tensor, dw: Tensor, ntop: int = 0) -> Tensor:
-    """``[total, diag, rest]`` (float32, on the device) of one sketched product ``dW^T = sdy^T sx``:
-    ``|dW|^2``, ``sum_r |sx_r|^2 |sdy_r|^2`` over the drawn rows (past the first ``ntop``) and the
-    squared norm of their part of ``dW``."""
+def sample_stats(sx: Tensor, sdy: Tensor, dw: Tensor, ntop: int = 0,
+                 qvar: Tensor | None = None) -> Tensor:
+    """``[total, diag, rest, quant]`` (float32, on the device) of one sketched product
+    ``dW^T = sdy^T sx``: ``|dW|^2``, ``sum_r |sx_r|^2 |sdy_r|^2`` over the drawn rows (past the
+    first ``ntop``), the squared norm of their part of ``dW``, and the rounding variance of stored
+    ``b``-bit rows, ``quant = sum_r |sdy_r|^2 qvar_r`` (0 without ``qvar``).
+
+    With ``qvar`` (the stored rows' rounding variances, :func:`~sketchprop.quantize.quantize`),
+    ``sx`` is the decoded rows: rounding adds ``|sdy_r|^2 qvar_r`` to the expectation of both
+    ``|dW|^2`` and ``|sx_r|^2 |sdy_r|^2``, so those terms are taken off the first three, which
+    then estimate the unrounded product's statistics."""
     total = torch.linalg.vector_norm(dw, dtype=torch.float32).square()
     sx_r, sdy_r = sx[ntop:], sdy[ntop:]
-    diag = (_sqnorm_rows(sx_r) * _sqnorm_rows(sdy_r)).sum()
-    if ntop == 0:
-        rest = total
-    else:
-        rest = torch.linalg.vector_norm(sdy_r.T @ sx_r, dtype=torch.float32).square()
-    return torch.stack([total, diag, rest])
+    sq_dy = _sqnorm_rows(sdy)
+    diag = (_sqnorm_rows(sx_r) * sq_dy[ntop:]).sum()
+    rest = None if ntop == 0 else torch.linalg.vector_norm(sdy_r.T @ sx_r,
+                                                           dtype=torch.float32).square()
+    quant = total.new_zeros(())
+    if qvar is not None:
+        q = sq_dy * qvar
+        quant, drawn = q.sum(), q[ntop:].sum()
+        total, diag = total - quant, diag - drawn
+        rest = None if rest is None else rest - drawn
+    return torch.stack([total, diag, total if rest is None else rest, quant])
 
 
 def online_estimate(sq_x, sq_y, per_row, total, diag, b: int, k: int, design: str,
-                    n_pop: int | None = None, rest=None, ntop: int = 0) -> dict[str, float]:
+                    n_pop: int | None = None, rest=None, ntop: int = 0,
+                    quant=0.0) -> dict[str, float]:
     """Estimates from the memory-free statistics (see the module docstring).
 
-    Returns ``xty`` (unbiased ``|X^T Y|_F^2``), ``d2_sketch`` (unbiased variance of the sketch in
-    use), ``d2_sgd``, ``d2_rmm``, ``alpha`` and ``ratio``. Arguments may be floats or tensors
-    (elementwise). ``rest`` and ``ntop``: the importance design's drawn part (see
-    :func:`sample_stats`).
+    Returns ``xty`` (unbiased ``|X^T Y|_F^2``), ``d2_sketch`` (unbiased variance of the estimator
+    in use: the sketch's, plus the rounding's ``quant`` for ``b``-bit rows), ``d2_quant``,
+    ``d2_sgd``, ``d2_rmm``, ``alpha`` and ``ratio``. Arguments may be floats or tensors
+    (elementwise). ``rest`` and ``ntop``: the importance design's drawn part; ``total``,
+    ``diag``, ``rest`` and ``quant`` as :func:`sample_stats` returns them.
     """
     n_pop = b if n_pop is None else n_pop
     xty = xty_estimate(total, diag, k, design, n_pop, rest, ntop)
@@ -365,7 +392,8 @@ def online_estimate(sq_x, sq_y, per_row, total, diag, b: int, k: int, design: st
     d2r = _d2_rmm(sq_x, sq_y, xty, k)
     return {
         "xty": xty,
-        "d2_sketch": total - xty,
+        "d2_sketch": total + quant - xty,
+        "d2_quant": quant,
         "d2_sgd": d2s,
         "d2_rmm": d2r,
         "alpha": _div(xty, sq_x * sq_y),
@@ -383,7 +411,7 @@ def _sqnorm_rows(a: Tensor) -> Tensor:
     return torch.linalg.vector_norm(a, dim=1, dtype=torch.float32).square()
 
 
-_FIELDS = ("sq_x", "sq_y", "per_row", "total", "diag", "rest")
+_FIELDS = ("sq_x", "sq_y", "per_row", "total", "diag", "rest", "quant")
 
 
 class VarianceTracker:
@@ -395,12 +423,13 @@ class VarianceTracker:
 
     - ``forward(x2, rows, k, sketch) -> Tensor | None``: the ``B`` row norms to save for backward
       (the Function saves them with ``save_for_backward``), or None to skip this call;
-    - ``backward(state, dy2, rows, sdy, sx, dw, sketch, k, ntop)``: record one step.
+    - ``backward(state, dy2, rows, sdy, sx, dw, sketch, k, ntop, qvar)``: record one step
+      (``qvar``: the stored rows' rounding variances, for ``b``-bit rows).
 
     ``step`` is the training step to stamp records with (set by
     :class:`~sketchprop.tracking.VarianceCallback`); while it
     is None records are numbered by tracked backward calls. ``records`` is a list of dicts
-    ``{step, layer, d2_sgd, d2_rmm, ratio, alpha, d2_sketch, xty, b, b_proj, sketch}``.
+    ``{step, layer, d2_sgd, d2_rmm, ratio, alpha, d2_sketch, d2_quant, xty, b, b_proj, sketch}``.
     """
 
     #: pending per-step statistics are moved to the CPU (one synchronisation) this often
@@ -422,7 +451,8 @@ class VarianceTracker:
 
     @torch.no_grad()
     def backward(self, state: Tensor | None, dy2: Tensor, rows: Tensor | None, sdy: Tensor,
-                 sx: Tensor, dw: Tensor, sketch: Sketch, k: int, ntop: int = 0) -> None:
+                 sx: Tensor, dw: Tensor, sketch: Sketch, k: int, ntop: int = 0,
+                 qvar: Tensor | None = None) -> None:
         if state is None:
             return
         py = _sqnorm_rows(dy2)
@@ -432,7 +462,7 @@ class VarianceTracker:
         design, n_pop = estimator_design(sketch, b, k)
         stats = torch.cat([
             torch.stack([state.sum(), py.sum(), (state * py).sum()]),
-            sample_stats(sx, sdy, dw, ntop),
+            sample_stats(sx, sdy, dw, ntop, qvar),
         ])
         self.calls += 1
         step = self.step if self.step is not None else self.calls
@@ -448,12 +478,14 @@ class VarianceTracker:
                                                                     strict=True):
             raw = dict(zip(_FIELDS, vals, strict=True))
             est = online_estimate(raw["sq_x"], raw["sq_y"], raw["per_row"], raw["total"],
-                                  raw["diag"], b, k, design, n_pop, raw["rest"], ntop)
+                                  raw["diag"], b, k, design, n_pop, raw["rest"], ntop,
+                                  raw["quant"])
             self._records.append({
                 "step": step, "layer": self.layer,
                 "d2_sgd": _finite(est["d2_sgd"]), "d2_rmm": _finite(est["d2_rmm"]),
                 "ratio": _finite(est["ratio"]), "alpha": _finite(est["alpha"]),
-                "d2_sketch": _finite(est["d2_sketch"]), "xty": _finite(est["xty"]),
+                "d2_sketch": _finite(est["d2_sketch"]), "d2_quant": _finite(est["d2_quant"]),
+                "xty": _finite(est["xty"]),
                 "b": b, "b_proj": k, "sketch": name,
             })
         self._pending.clear()
