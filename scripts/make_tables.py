@@ -37,6 +37,7 @@ import csv
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
@@ -1147,6 +1148,10 @@ def main(argv: list[str] | None = None) -> None:
     figure3(results / "memory", figures)
     figure5(runs, args.cpu_experiment, figures)
     figure6(bench, figures)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import frontier  # the accuracy-memory-time frontier (scripts/frontier.py)
+
+    frontier.build(results)
     for name in ("table4", "comparisons"):
         embed_in_readme(results.parent / "README.md", tables / f"{name}.md", name)
     for path in sorted([*tables.glob("*.md"), *figures.glob("figure[356]*.png")]):

@@ -472,3 +472,41 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
     # LoRA + blocksrht 31, 33, 35 against LoRA 31, 32, 33: 0, +1, +2.
     assert "| CoLA | blocksrht (lora+ours) rho=0.1 | exact (lora) | 33.00 ± 2.00 (n=3) | " \
            "32.00 ± 1.00 (n=3) | 3 | 1, 2, 3 | +0.00 / +1.00 / +2.00 | +1.00 | 0.58 |" in lora
+
+
+def test_frontier_points_pairs_and_fronts(make_tables, tmp_path):
+    """scripts/frontier.py: bytes from the CoLA-256 memory point, scores paired by seed with exact,
+    step ratios from the roberta-base benchmark; the fronts follow the numbers, and a configuration
+    without runs or bytes is listed, not drawn."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("frontier", SCRIPT.parent / "frontier.py")
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    write_runs(tmp_path)  # exact 51/52/53; blocksrht (ours) 0.1: 48 on seed 1; gaussian 0.1: 46
+    write_bench(tmp_path)
+    for name in ("model_cpu_test.json", "model_cpu_test2.json"):
+        path = tmp_path / "bench" / name
+        path.write_text(path.read_text().replace('"minilm"', '"roberta-base"'))
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    (memory / "table3-cola-b256.json").write_text(json.dumps(
+        memory_point("table3", "cola", 256, 400)))
+    frontier.build(tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in (tmp_path / "tables" / "frontier.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| configuration")
+            and not line.startswith("|---")}
+    # ours 0.1: 0.6 of exact's bytes, 48 - 51 on the one seed both have, step 0.75x (pooled)
+    assert rows["blocksrht (ours) 0.1"][1:4] == ["0.600", "-3.00 (n=1)", "0.75x"]
+    assert rows["gaussian (paper) 0.1"][1:3] == ["0.750", "-5.00 (n=1)"]
+    assert rows["checkpointing"][1:3] == ["0.050", "0 (exact gradients)"]
+    assert rows["exact"][2] == "+0.00 ± 0.00 (n=3)"
+    assert rows["int4"][1:3] == ["-", "not run"]
+    # Checkpointing keeps the fewest bytes at exact's score: it beats every point on those two
+    # axes; with time, exact (faster than checkpointing) and ours (the fastest) join it.
+    front2 = {name for name, cells in rows.items() if cells[4] == "yes"}
+    front3 = {name for name, cells in rows.items() if cells[5].startswith("yes")}
+    assert front2 == {"checkpointing"}
+    assert front3 == {"checkpointing", "exact", "blocksrht (ours) 0.1"}
+    assert (tmp_path / "figures" / "frontier.png").stat().st_size > 0

@@ -1,0 +1,276 @@
+"""The accuracy-memory-time frontier: every configuration the repository offers as one point.
+
+- x: the bytes one training step keeps for backward, as a share of exact's (roberta-base, CoLA at
+  batch 256 with the real CoLA lengths: ``results/memory/table3-cola-b256.json``, from
+  ``make memory``);
+- y: the CoLA dev score (MCC x100, best epoch) minus exact's, paired by seed (MiniLM, the CPU
+  recipe: ``results/runs/minilm_cpu``), its standard error and n; LoRA's runs have their own
+  learning rate (``results/runs/lora_cpu``), so they cannot pair with exact's: their difference is
+  unpaired (difference of means, SE from both sides' spreads);
+- label: the training step's time over exact's (roberta-base 16x128, the step benchmark of
+  ``scripts/bench_model.py``: ``results/bench/model_*.json``), where it was timed.
+
+Checkpointing computes the same gradients as the model without it (tested), so its score is
+exact's by construction (y = 0, no runs needed). A configuration with no bytes measured is listed
+and not drawn. The Pareto front: the points no other point beats on both axes (fewer or equal
+bytes and a higher or equal mean score). Built by ``make tables`` (``scripts/make_tables.py``):
+
+    python scripts/frontier.py          # results/tables/frontier.{md,csv}, results/figures/frontier.png
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_tables as mt  # noqa: E402
+
+MEMORY_POINT = "table3-cola-b256.json"
+BENCH_MODEL = "roberta-base"
+# Importance stores the same k rows as a seeded sketch at its rate plus an int32 index and a float32
+# scale per row (8 bytes beside a 3072-byte roberta-base row), and allocation keeps the uniform
+# rate's bytes: their bytes are read from ours at the same rate.
+BYTES_AS_OURS = ("importance",)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: its label, its runs (experiment and make_tables key), its record in the
+    memory point (family and rate, None for a family without one) and its step-benchmark name."""
+
+    label: str
+    experiment: str | None
+    key: tuple | None
+    memory: tuple[str, str | None] | None
+    bench: str | None
+    by_construction: bool = False  # exact's gradients: exact's score, no runs
+
+
+def configs() -> list[Config]:
+    out = [Config("exact", "minilm_cpu", mt.EXACT, ("exact", None), "exact"),
+           Config("checkpointing", None, None, ("ckpt", None), "ckpt", by_construction=True),
+           Config("compact activations", "minilm_cpu", mt.key_of("exact", "compact"),
+                  ("compact", None), "compact")]
+    for bits in (8, 4, 2):
+        out.append(Config(f"int{bits}", "minilm_cpu", mt.key_of("exact", f"int{bits}"),
+                          (f"int{bits}", None), f"int{bits}"))
+    out.append(Config("int4 + compact activations", "minilm_cpu",
+                      mt.key_of("exact", "int4+compact"), ("int4+compact", None), "int4+compact"))
+    for rho in ("0.5", "0.2", "0.1"):
+        r = float(rho)
+        out.append(Config(f"blocksrht (ours) {rho}", "minilm_cpu", mt.key_of("blocksrht", "ours", r),
+                          ("ours", rho), f"ours-blocksrht@{rho}"))
+        for sketch in ("gaussian", "rademacher", "dct", "dft"):
+            # The paper's layout stores k rows per layer whatever the sketch: the Gaussian's bytes.
+            out.append(Config(f"{sketch} (paper) {rho}", "minilm_cpu",
+                              mt.key_of(sketch, "paper", r), ("paper", rho),
+                              f"paper@{rho}" if sketch == "gaussian" else None))
+    for rho in ("0.2", "0.1"):
+        out.append(Config(f"blocksrht (ours) {rho} + compact activations", "minilm_cpu",
+                          mt.key_of("blocksrht", "ours+compact", float(rho)),
+                          ("ours+compact", rho), f"ours-blocksrht+compact@{rho}"))
+    out += [
+        Config("blocksrht (ours) 0.1 + checkpointing", "minilm_cpu",
+               mt.key_of("blocksrht", "ours+ckpt", 0.1), ("ckpt+ours", "0.1"),
+               "ckpt+ours-blocksrht@0.1"),
+        Config("importance (ours) 0.1", "minilm_cpu", mt.key_of("importance", "ours", 0.1),
+               ("ours", "0.1"), None),
+        Config("importance (ours) 0.1, allocated", "minilm_cpu", mt.IMPORTANCE_ALLOC,
+               ("ours", "0.1"), None),
+        Config("LoRA", "lora_cpu", mt.LORA, ("lora", None), None),
+        Config("LoRA + blocksrht (ours) 0.1", "lora_cpu", mt.key_of("blocksrht", "lora+ours", 0.1),
+               ("lora+ours", "0.1"), None),
+    ]
+    return out
+
+
+@dataclass
+class Point:
+    config: Config
+    share: float | None
+    diff: float | None
+    se: float | None
+    n: int
+    paired: bool
+    time: float | None
+
+
+def _bytes(point: dict, family: str, rate: str | None) -> int | None:
+    rec = point.get(family)
+    if rec and rate is not None:
+        rec = rec.get(rate)
+    return (rec or {}).get("saved_activation_bytes")
+
+
+def _unpaired(ours: list[float], base: list[float]) -> tuple[float, float | None, int]:
+    mean = statistics.fmean(ours) - statistics.fmean(base)
+    if len(ours) < 2 or len(base) < 2:
+        return mean, None, min(len(ours), len(base))
+    se = math.sqrt(statistics.variance(ours) / len(ours) + statistics.variance(base) / len(base))
+    return mean, se, min(len(ours), len(base))
+
+
+def points(runs: list[dict], memory: dict, bench: dict) -> list[Point]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["task"] == "cola":
+            groups.setdefault((r["_experiment"], mt.method_key(r)), []).append(r)
+    exact_runs = groups.get(("minilm_cpu", mt.EXACT), [])
+    exact_bytes = _bytes(memory, "exact", None)
+    out = []
+    for c in configs():
+        share = None
+        if c.memory is not None and exact_bytes:
+            b = _bytes(memory, *c.memory)
+            share = None if b is None else b / exact_bytes
+        diff = se = None
+        n, is_paired = 0, True
+        if c.by_construction:
+            diff, se, n = 0.0, 0.0, 0
+        elif c.key is not None:
+            ours = groups.get((c.experiment, c.key), [])
+            if c.key == mt.EXACT and c.experiment == "minilm_cpu":
+                diff, se, n = 0.0, 0.0, len(ours)
+            elif ours and c.experiment == "minilm_cpu":
+                p = mt.paired(ours, exact_runs)
+                n = p.n
+                diff = p.mean if p.n else None
+                se = p.se
+            elif ours:
+                is_paired = False
+                diff, se, n = _unpaired([mt.score(r) for r in ours],
+                                        [mt.score(r) for r in exact_runs])
+        timed = bench.get(c.bench) if c.bench else None
+        out.append(Point(c, share, diff, se, n, is_paired, timed["ratio"] if timed else None))
+    return out
+
+
+def _beats(q: Point, p: Point, axes) -> bool:
+    """``q`` is at least as good as ``p`` on every axis and better on one (lower is better)."""
+    pairs = [(a(q), a(p)) for a in axes]
+    return all(x <= y for x, y in pairs) and any(x < y for x, y in pairs)
+
+
+def _bytes_axis(p: Point) -> float:
+    return p.share
+
+
+def _score_axis(p: Point) -> float:
+    return -p.diff
+
+
+def _time_axis(p: Point) -> float:
+    return p.time
+
+
+def pareto(pts: list[Point], timed: bool = False) -> list[Point]:
+    """The points that no other point beats on bytes and mean score (and, with ``timed``, step
+    time: points never timed are left out), ordered by bytes. The score's standard error does not
+    enter: a point off the front may be within noise of it."""
+    axes = (_bytes_axis, _score_axis, _time_axis) if timed else (_bytes_axis, _score_axis)
+    drawn = [p for p in pts if p.share is not None and p.diff is not None
+             and (p.time is not None or not timed)]
+    front = [p for p in drawn if not any(q is not p and _beats(q, p, axes) for q in drawn)]
+    return sorted(front, key=lambda p: p.share)
+
+
+def _fmt_diff(p: Point) -> str:
+    if p.config.by_construction:
+        return "0 (exact gradients)"
+    if p.diff is None:
+        return "not run"
+    if p.n == 0:
+        return "-"
+    se = f" ± {p.se:.2f}" if p.se is not None else ""
+    return f"{p.diff:+.2f}{se} (n={p.n}{'' if p.paired else ', unpaired'})"
+
+
+def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figures: Path,
+          runs: list[dict]) -> None:
+    front = {id(p) for p in pareto(pts)}
+    front_timed = {id(p) for p in pareto(pts, timed=True)}
+    rows = []
+    for p in sorted(pts, key=lambda p: (p.share is None, p.share or 0, p.config.label)):
+        rows.append([p.config.label, "-" if p.share is None else f"{p.share:.3f}", _fmt_diff(p),
+                     "-" if p.time is None else f"{p.time:.2f}x",
+                     "yes" if id(p) in front else "",
+                     "yes" if id(p) in front_timed else ("" if p.time is not None else "-")])
+    used = [r for r in runs if r["task"] == "cola" and r["_experiment"] in ("minilm_cpu",
+                                                                            "lora_cpu")]
+    mt.write_table(tables / "frontier", ["configuration", "saved bytes / exact (CoLA 256)",
+                                         "CoLA MCC - exact", "step time / exact",
+                                         "front: bytes, score", "front: bytes, score, time"],
+                   rows, (
+        "# The accuracy-memory-time frontier\n\n"
+        "Every configuration as one point. 'saved bytes / exact': the bytes one training step "
+        f"keeps for backward over exact's, {memory.get('model', 'roberta-base')} on CoLA at batch "
+        f"{memory.get('batch_size', 256)} with the real CoLA lengths (results/memory/"
+        f"{MEMORY_POINT}, make memory). 'CoLA MCC - exact': the dev score at the best epoch minus "
+        "exact's, paired by seed (mean ± its standard error, n seeds; MiniLM, the CPU recipe); "
+        "LoRA trains at its own learning rate and is compared unpaired. 'step time / exact': one "
+        f"training step of {BENCH_MODEL} at {bench_info.get('batch', '?')}, "
+        f"{bench_info.get('threads', '?')} torch thread(s), interleaved with exact in the same "
+        "run (scripts/bench_model.py), '-' where not timed. Checkpointing computes exact's "
+        "gradients, so its score is exact's. Importance stores the rows of a seeded sketch at "
+        "its rate plus 8 bytes per row, and allocation keeps the uniform rate's bytes: their "
+        "bytes are ours' at 0.1. 'front: bytes, score': no other point keeps fewer or equal bytes "
+        "with a higher or equal mean score (better in one); 'front: bytes, score, time': no "
+        "timed point is also as fast or faster ('-': not timed). The mean score decides; a point "
+        "off a front may be within its standard error of it. The three measurements come from three settings (the "
+        "bytes and time on roberta-base, the scores on MiniLM); they are put side by side, not "
+        "combined.\n\n" + mt.describe(used)))
+    _figure(pts, figures / "frontier.png")
+
+
+def _figure(pts: list[Point], path: Path) -> None:
+    plt = mt._pyplot()
+    drawn = [p for p in pts if p.share is not None and p.diff is not None]
+    if not drawn:
+        return
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    front = pareto(pts)
+    ax.step([p.share for p in front], [p.diff for p in front], where="post", color="0.6", lw=1,
+            zorder=1, label="Pareto front (bytes, score)")
+    timed = pareto(pts, timed=True)
+    named = {id(p) for p in [*front, *timed]}
+    ax.scatter([p.share for p in timed], [p.diff for p in timed], s=140, facecolors="none",
+               edgecolors="tab:orange", zorder=3, label="on the front of bytes, score and time")
+    for p in drawn:
+        color = ("tab:red" if p.config.label.startswith("int") else
+                 "tab:green" if "LoRA" in p.config.label else
+                 "tab:blue" if "blocksrht" in p.config.label or "importance" in p.config.label else
+                 "tab:purple" if "(paper)" in p.config.label else "black")
+        ax.errorbar(p.share, p.diff, yerr=p.se or 0, fmt="o", color=color, ms=5, capsize=2,
+                    zorder=2)
+        if p.n == 1 and id(p) not in named:  # one seed, off the fronts: a dot without a name
+            continue
+        label = p.config.label + (f"  {p.time:.2f}x" if p.time is not None else "")
+        ax.annotate(label, (p.share, p.diff), textcoords="offset points", xytext=(4, 3),
+                    fontsize=6.5)
+    ax.axhline(0, color="0.8", lw=0.8, zorder=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes kept for backward / exact's (roberta-base, CoLA batch 256; log)")
+    ax.set_ylabel("CoLA MCC x100 - exact's (MiniLM, paired by seed; ± SE)")
+    ax.set_title("What each byte buys: accuracy, memory and (labels) step time / exact\n"
+                 "(unnamed dots: one seed, off the fronts; see results/tables/frontier.md)",
+                 fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    mt._save(fig, path)
+
+
+def build(results: Path) -> None:
+    """Write results/tables/frontier.{md,csv} and results/figures/frontier.png from ``results``."""
+    runs = mt.load_runs(results / "runs")
+    memory_file = results / "memory" / MEMORY_POINT
+    memory = mt.json.loads(memory_file.read_text()) if memory_file.exists() else {}
+    bench = mt.bench_step_ratios(results / "bench", BENCH_MODEL)
+    info = bench.pop("_info", {})
+    write(points(runs, memory, bench), memory, info, results / "tables", results / "figures", runs)
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]) if len(sys.argv) > 1 else mt.ROOT / "results")
