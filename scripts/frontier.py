@@ -220,7 +220,8 @@ def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figure
         "bytes are ours' at 0.1. 'front: bytes, score': no other point keeps fewer or equal bytes "
         "with a higher or equal mean score (better in one); 'front: bytes, score, time': no "
         "timed point is also as fast or faster ('-': not timed). The mean score decides; a point "
-        "off a front may be within its standard error of it. The three measurements come from three settings (the "
+        "off a front may be within its standard error of it. The three measurements come from three "
+        "settings (the "
         "bytes and time on roberta-base, the scores on MiniLM); they are put side by side, not "
         "combined.\n\n" + mt.describe(used)))
     _figure(pts, figures / "frontier.png")
