@@ -236,3 +236,30 @@ def test_tiny_roberta_with_padding_and_tracking():
     with torch.no_grad():
         after = model(**inputs).logits
     torch.testing.assert_close(before, after, rtol=0, atol=0)
+
+
+def test_variance_allocation_moves_rows_with_coded_rows():
+    """allocate="variance" learns from the rounding's variance too, and still moves rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    patch_linear(model, sketch="blocksrht", rho=0.25, bits=2, group=8, allocate="variance",
+                 skip_padding=False)
+    allocation = model[0].allocation
+    for _ in range(3 * allocation.every):
+        x = torch.randn(256, 16)
+        x[:, :8] *= 10  # the first layer's input carries most of the gradient's noise
+        model(x).square().sum().backward()
+    assert allocation.updates > 0
+    assert allocation.factors["0"] != pytest.approx(allocation.factors["2"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_codes_decode_and_stay_unbiased():
+    x, g = (t.cuda() for t in unbiased_data())
+    layer = make_layer("exact", bits=4, group=8).cuda()
+    exact = (g.T @ x).double()
+    n = 1000
+    mean = sum(grads(layer, x, g)[1].double() for _ in range(n)) / n
+    # The mean of n draws: its squared error has expectation V / n, V the closed form.
+    err = (mean - exact).square().sum().item()
+    assert err < 4 * quantized_variance(x.cpu(), g.cpu(), 4, group=8) / n
