@@ -149,10 +149,20 @@ def test_unknown_names_fail_at_composition(override, error):
     ("logger.name=tensorboard", "logger.name"),
     ("activations.gelu_bits=0", "activations.gelu_bits"),
     ("activations.gelu_bits=9", "activations.gelu_bits"),
+    ("method.bits=5", "method.bits"),
+    ("method.bits=3", "method.bits"),
+    ("method.group=12", "method.group"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose([override])
+
+
+def test_bad_bits_list_the_valid_choices():
+    with pytest.raises(ConfigError, match="null or one of 8, 4, 2"):
+        compose(["method=exact", "method.bits=5"])
+    assert validate(compose(["method=exact", "method.bits=4"])).method.patches
+    assert not validate(compose(["method=exact"])).method.patches
 
 
 def test_activations_default_to_stored_and_compact_is_the_library_default():
