@@ -372,6 +372,8 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     state = getattr(model, _ACTIVATIONS, None)
     if state is None:
         return []
+    for name, original in state["modules"].items():  # the mode the model has now, not at patching
+        original.train(model.get_submodule(name).training)
     names = _swap(model, state["modules"])
     if state["attention"] is not None:
         owner = _attention_owner(model)
