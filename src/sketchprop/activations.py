@@ -50,12 +50,22 @@ GELU inputs. Each has a leaner form, here as drop-in replacements that
   the deterministic 3-bit code scored +0.64 ± 0.37 above this default, paired over three seeds: no
   difference measured (``results/README.md``), so the smaller, unbiased code stays.
 
-**Seeds.** The dropout seeds (and those of the GELU code's rounding) come from the global CPU
-generator, the stream ``nn.Dropout`` and ``torch.utils.checkpoint`` know: a checkpointed block's
-recomputed forward restores that stream and draws the same seed, so it makes the same masks and
-the same activations as the first forward. The seed is saved as a tensor (as
+**Seeds.** The dropout seeds (those of :class:`SeededDropout` and of the attention
+probabilities) come from the global CPU generator, the stream ``nn.Dropout`` and
+``torch.utils.checkpoint`` know: a checkpointed block's recomputed forward (reentrant or not)
+restores that stream and draws the same seed, so it makes the same masks and the same activations
+as the first forward. Nothing else draws from it: attention without dropout draws no seed, and
+the GELU code's rounding has a stream of its own per module (seeded by ``torch.initial_seed()``,
+the module's name and the distributed rank), so a reentrant checkpoint's first pass, which makes
+no code, and its recomputation, which does, draw the same dropout seeds; with every dropout at 0
+the patched model draws from the global generator exactly what the plain model draws (nothing).
+A dropout with ``p > 0`` draws one 64-bit word per call where ``nn.Dropout`` draws per element,
+so the stream after it differs from the plain model's. The seed is saved as a tensor (as
 :mod:`sketchprop.functional` does): were the recomputation to draw another seed, backward would
 still pair masks with the activations they made.
+
+**Eval mode.** Dropout is off and :class:`CompactGELU` is the exact GELU (it keeps its input):
+gradients taken in eval mode (saliency, say) are the plain model's, and deterministic.
 
 **Masks.** A mask element is dropped when a 16-bit random integer falls among the lowest
 ``round(p 2^16)`` of its 2^16 values, so the drop probability is ``p`` rounded to a multiple of
@@ -75,7 +85,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .functional import seed_tensor
-from .layers import RandomizedLinear
+from .layers import RandomizedLinear, _stable_seed
 
 __all__ = [
     "ATTENTION",
@@ -438,8 +448,10 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     projected = _projection_weights(module, query, key, value) if needs_grad else None
+    # No dropout, no seed: the global stream stays as the plain model leaves it.
+    seed = _draw_seed() if dropout > 0 else seed_tensor(0)
     with torch.autocast(query.device.type, enabled=False):
-        args = (query, key, value, attention_mask, float(scaling), float(dropout), _draw_seed())
+        args = (query, key, value, attention_mask, float(scaling), float(dropout), seed)
         if projected is None:
             out = _RecomputedAttention.apply(*args)
         else:
@@ -524,13 +536,17 @@ class GeluCode:
         thresholds = (levels[1:] + levels[:-1]) / 2
         return cls(bits, tuple(levels.tolist()), tuple(thresholds.tolist()))
 
-    def encode(self, g: Tensor) -> Tensor:
-        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g`` (consumed)."""
+    def encode(self, g: Tensor, seed: int | None = None) -> Tensor:
+        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g`` (consumed).
+        A stochastic code rounds with the dither ``seed`` makes (None: one drawn from the global
+        generator)."""
         top = 2**self.bits - 1
         if self.stochastic:
             lo, step = self.levels[0], self.levels[1] - self.levels[0]
+            if seed is None:
+                seed = int(_draw_seed())
             # code = floor((g - lo) / step + u), u = (r + 2^15 + 1/2) / 2^16 for a 16-bit r.
-            dither = _random_int16(g.numel(), int(_draw_seed()), g.device).view(g.shape)
+            dither = _random_int16(g.numel(), seed, g.device).view(g.shape)
             v = g.mul_(1 / step).add_(32768.5 / 65536 - lo / step).add_(dither, alpha=1 / 65536)
             return v.clamp_(0, top).to(torch.uint8)  # truncation is floor for v >= 0
         code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
@@ -551,8 +567,8 @@ class GeluCode:
 
 class _CompactGeluFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, code: GeluCode) -> Tensor:
-        codes = code.encode(gelu_derivative(x))
+    def forward(ctx, x: Tensor, code: GeluCode, seed: int | None) -> Tensor:
+        codes = code.encode(gelu_derivative(x), seed)
         ctx.code, ctx.shape = code, x.shape
         ctx.save_for_backward(pack_codes(codes, code.bits))
         return F.gelu(x)
@@ -561,7 +577,7 @@ class _CompactGeluFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
         codes = unpack_codes(packed, ctx.code.bits, dy.numel()).view(ctx.shape)
-        return (dy * ctx.code.decode(codes)).to(dy.dtype), None
+        return (dy * ctx.code.decode(codes)).to(dy.dtype), None, None
 
 
 class CompactGELU(nn.Module):
@@ -569,26 +585,41 @@ class CompactGELU(nn.Module):
 
     ``code``: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, fit by
     :meth:`GeluCode.fit` on the first training batch this module sees; ``fitted`` holds it).
+    ``name`` (the module's qualified name) seeds the stochastic code's rounding stream, with
+    ``torch.initial_seed()`` and the distributed rank; the global generator is never drawn from
+    (module docstring, "Seeds"). In eval mode the module is the exact GELU.
     """
 
-    def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE):
+    def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE,
+                 name: str = ""):
         super().__init__()
         if not (isinstance(bits, int) and 1 <= bits <= 8):
             raise ValueError(f"gelu_bits must be an integer in 1..8 or None, got {bits!r}")
         if code not in GELU_CODES:
             raise ValueError(f"unknown gelu_code {code!r}; choose one of {list(GELU_CODES)}")
-        self.bits, self.code = bits, code
+        self.bits, self.code, self.name = bits, code, name
         self.fitted: GeluCode | None = GeluCode.uniform(bits) if code == "stochastic" else None
+        self._gen: torch.Generator | None = None
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, code={self.code}"
 
+    def _next_seed(self) -> int:
+        if self._gen is None:
+            rank = 0
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                rank = torch.distributed.get_rank()  # each rank rounds with its own dither
+            self._gen = torch.Generator().manual_seed(
+                _stable_seed("gelu", torch.initial_seed(), self.name, rank))
+        return int(torch.randint(0, 2**62, (), generator=self._gen))
+
     def forward(self, x: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            return F.gelu(x)
+        if not (self.training and torch.is_grad_enabled() and x.requires_grad):
+            return F.gelu(x)  # eval mode: exact (and deterministic) gradients
         if self.fitted is None:
             self.fitted = GeluCode.fit(x, self.bits)
-        return _CompactGeluFunction.apply(x, self.fitted)
+        seed = self._next_seed() if self.fitted.stochastic else None
+        return _CompactGeluFunction.apply(x, self.fitted, seed)
 
 
 def is_exact_gelu(module: nn.Module) -> bool:

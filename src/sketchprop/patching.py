@@ -346,7 +346,8 @@ def patch_activations(
             raise _no_match("exact GELU module (nn.GELU() or transformers' GELUActivation)",
                             targets, exclude, model, act.is_exact_gelu, "patch_activations")
         for n in names:
-            new[n] = act.CompactGELU(gelu_bits, gelu_code).train(model.get_submodule(n).training)
+            new[n] = act.CompactGELU(gelu_bits, gelu_code, name=n).train(
+                model.get_submodule(n).training)
     if attention == "recompute":
         owner = _attention_owner(model)
 
