@@ -15,8 +15,8 @@ from test_patching import batch, tiny_roberta
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sketchprop import patch_activations, patch_linear, unpatch_activations
 from sketchprop import activations as act
+from sketchprop import patch_activations, patch_linear, unpatch_activations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -77,6 +77,7 @@ quarter of the generator calls that ``bernoulli_`` does.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -347,9 +348,8 @@ class _ProjectedAttention(torch.autograd.Function):
         return *grads, *[None] * 6
 
 
-#: Where :func:`keep_attention_input` leaves a self-attention call's input for
-#: :func:`recompute_attention`, and where the latter notes whether the module's Q, K, V check out.
-_ATTENTION_INPUT = "_sketchprop_attention_input"
+#: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
+#: input, which changes with every call, travels per call and per thread: :data:`_calls`.)
 _CHECKED = "_sketchprop_qkv_checked"
 _PROJECTIONS = ("query", "key", "value")
 # A call with any of these set projects something else than its own input (a cache, an encoder).
@@ -362,23 +362,59 @@ def has_projections(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
 
 
+# Per thread: {id(module): [input of each self-attention call in progress, innermost last]}.
+# A call's input is per call, never module state: two threads, or a module called again inside
+# its own call, each see their own.
+_calls = threading.local()
+
+
+def _inputs() -> dict[int, list]:
+    inputs = getattr(_calls, "inputs", None)
+    if inputs is None:
+        inputs = _calls.inputs = {}
+    return inputs
+
+
 def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
-    copy) for :func:`recompute_attention` to save in place of Q, K and V."""
+    copy), for this call and thread only, for :func:`recompute_attention` to save in place of
+    Q, K and V."""
     x = args[0] if args else kwargs.get("hidden_states")
-    if isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES):
-        module.__dict__[_ATTENTION_INPUT] = x
+    own = isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES)
+    _inputs().setdefault(id(module), []).append(x if own else None)
 
 
 def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     """Forward hook (also on an exception): forget what :func:`keep_attention_input` kept."""
-    module.__dict__.pop(_ATTENTION_INPUT, None)
+    inputs = _inputs()
+    stack = inputs.get(id(module))
+    if stack:
+        stack.pop()
+        if not stack:
+            del inputs[id(module)]
+
+
+def _attention_input(module: nn.Module) -> Tensor | None:
+    stack = _inputs().get(id(module))
+    return stack[-1] if stack else None
 
 
 def forget_attention_check(module: nn.Module) -> None:
     """Drop what :func:`recompute_attention` noted on ``module`` (its Q, K, V check)."""
     module.__dict__.pop(_CHECKED, None)
-    module.__dict__.pop(_ATTENTION_INPUT, None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether hooks may change what reaches or leaves the projections in this call: a forward
+    hook on a projection, a global forward hook, or a pre-hook on ``module`` besides
+    :func:`keep_attention_input` (one added after it sees, and may change, the input after it
+    was kept)."""
+    from torch.nn.modules import module as nn_module
+
+    return (len(module._forward_pre_hooks) > 1
+            or bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
+            or any(m._forward_pre_hooks or m._forward_hooks
+                   for m in (getattr(module, n) for n in _PROJECTIONS)))
 
 
 def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:
@@ -396,14 +432,15 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                         value: Tensor) -> tuple[Tensor, tuple] | None:
     """The attention block's input and its Q, K, V projections' ``(weight, bias)`` pairs when Q,
     K and V can be made again from them, else None. The first call on a module checks that they
-    give the very Q, K, V the model passed (one extra projection, once); a module that fails the
-    check keeps Q, K and V from then on, with a warning."""
-    x = module.__dict__.get(_ATTENTION_INPUT)
+    give the very Q, K, V the model passed (one extra projection, once), and so does every call
+    while hooks may change them (:func:`_hooked`); a module that fails the check keeps Q, K and V
+    from then on, with a warning."""
+    x = _attention_input(module)
     pairs = [_linear_weights(getattr(module, n, None)) for n in _PROJECTIONS]
     if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
             or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
         return None
-    if _CHECKED not in module.__dict__:
+    if _CHECKED not in module.__dict__ or _hooked(module):
         with torch.no_grad():
             same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1]), t)
                        for (w, b), t in zip(pairs, (query, key, value), strict=True))
@@ -428,7 +465,8 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     anything for nor a dropout mask to draw). ``attention_mask`` is the boolean mask
     of the mask function registered beside it (True: attend), or None without padding; an additive
     float mask works too. Returns ``(output (B, L, H, D), None)``: attention weights are not
-    materialised.
+    materialised, except when the model asks for them (``output_attentions=True``): then the
+    probabilities are computed as eager attention does, returned and kept for backward.
     """
     if key.shape[1] != query.shape[1]:
         raise ValueError("recompute_attention needs as many key/value heads as query heads, "
@@ -438,7 +476,8 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     # A forward without grad but with dropout (a reentrant checkpoint's first pass) draws its
     # masks as the recomputation will: through the Function, not SDPA's own generator.
-    if query.device.type == "cuda" or not (needs_grad or dropout > 0):
+    weights = kwargs.get("output_attentions")
+    if not weights and (query.device.type == "cuda" or not (needs_grad or dropout > 0)):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -447,6 +486,8 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if autocast:  # compute in the dtype autocast gives the projections' matmuls, as eager does
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if weights:
+        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout)
     projected = _projection_weights(module, query, key, value) if needs_grad else None
     # No dropout, no seed: the global stream stays as the plain model leaves it.
     seed = _draw_seed() if dropout > 0 else seed_tensor(0)
@@ -457,6 +498,18 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         else:
             out = _ProjectedAttention.apply(*args, *projected)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_weights(q, k, v, mask, scaling: float, p: float) -> tuple[Tensor, Tensor]:
+    """Attention by autograd that returns its (dropped) probabilities in ``q``'s dtype, as
+    transformers' eager attention does: for ``output_attentions=True``."""
+    seed = int(_draw_seed()) if p > 0 else 0
+    with torch.autocast(q.device.type, enabled=False):
+        probs, keep = _probabilities(q, k, mask, float(scaling), p, seed)
+        if keep is not None:
+            probs = probs * keep * _drop_threshold(p)[1]
+        out = torch.matmul(probs.to(v.dtype), v)
+    return out.transpose(1, 2).contiguous(), probs.to(q.dtype)
 
 
 def _recompute_attention_mask(*args, **kwargs):
