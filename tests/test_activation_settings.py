@@ -120,6 +120,22 @@ def test_two_forwards_then_one_backward_with_skip_padding(reentrant):
         torch.testing.assert_close(got[0][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputation_that_cannot_tell_the_calls_apart_raises(reentrant):
+    """Same tokens, two paddings: BERT's first layer sees the same input in both calls, so its
+    recomputation cannot tell which call's padding rows it needs: an error naming skip_padding,
+    never the other call's rows."""
+    model = tiny_bert()
+    patch_linear(model, "gaussian", rho=1.0, skip_padding=True, min_rows=1)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    b1, b2 = batch(), batch()
+    b2["attention_mask"] = torch.ones_like(b2["attention_mask"])
+    loss = model(**b1).loss + model(**b2).loss
+    with pytest.raises(RuntimeError, match="skip_padding"):
+        loss.backward()
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Two threads on one model.
 
