@@ -50,6 +50,17 @@ GELU inputs. Each has a leaner form, here as drop-in replacements that
   the deterministic 3-bit code scored +0.64 ± 0.37 above this default, paired over three seeds: no
   difference measured (``results/README.md``), so the smaller, unbiased code stays.
 
+- **LayerNorm** (:class:`OutputLayerNorm`, ``layernorm="output"``): keeps its output ``y`` and
+  the per-row ``1 / std`` instead of its input, and makes the normalised input again in backward,
+  ``x^ = (y - beta) / gamma`` (Tempo, Andoorveedu et al. 2022; Approx-BP's shared normalisation
+  memory). Where the output is kept anyway (a post-LN block's output is the next self-attention
+  block's input, which ``attention="recompute"`` keeps, and exact linear layers keep their
+  inputs), the input's bytes are saved; elsewhere the output takes the input's place, the same
+  size. Columns whose ``|gamma| < 0.01 (1 + |beta|)`` (zero, or too small to divide by without
+  losing float32 accuracy) keep their input columns instead; a half-precision input keeps the
+  stored path (its output, in float32 under autocast, would be larger). Exact to float32
+  rounding: the gradients are within 1e-5 (relative) of the stored path's.
+
 **Seeds.** The dropout seeds (those of :class:`SeededDropout` and of the attention
 probabilities) come from the global CPU generator, the stream ``nn.Dropout`` and
 ``torch.utils.checkpoint`` know: a checkpointed block's recomputed forward (reentrant or not)
@@ -97,10 +108,13 @@ __all__ = [
     "DEFAULT_GELU_CODE",
     "CompactGELU",
     "GeluCode",
+    "LAYERNORM",
+    "OutputLayerNorm",
     "PackedDropout",
     "SeededDropout",
     "gelu_derivative",
     "is_exact_gelu",
+    "is_layernorm",
     "keep_mask",
     "pack_codes",
     "recompute_attention",
@@ -112,6 +126,8 @@ __all__ = [
 DROPOUT = ("stored", "seeded", "packed")
 #: ``attention=`` values.
 ATTENTION = ("stored", "recompute")
+#: ``layernorm=`` values: LayerNorm keeps its input (the model's own) or its output.
+LAYERNORM = ("stored", "output")
 #: ``gelu_code=`` values (see the module docstring).
 GELU_CODES = ("stochastic", "optimal")
 DEFAULT_GELU_BITS = 2  # why: the module docstring, "Default"
@@ -685,3 +701,87 @@ def is_exact_gelu(module: nn.Module) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return type(module) is GELUActivation
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm.
+
+# A column whose |gamma| is below this times (1 + |beta|) keeps its input: dividing by it would
+# lose float32 accuracy (the error of x^ grows as |beta| / |gamma| times float32's epsilon).
+_GAMMA_FLOOR = 1e-2
+
+
+class _OutputLayerNormFunction(torch.autograd.Function):
+    """LayerNorm over the last dimension of a 2-D ``x`` that saves its output, ``1 / std`` per row
+    and the input columns listed in ``kept`` (with the row means), not the input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, kept: Tensor | None):
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        cols = None if kept is None else x.index_select(-1, kept)
+        ctx.save_for_backward(y, rstd, weight, bias, kept, cols, None if kept is None else mean)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, weight, bias, kept, cols, mean = ctx.saved_tensors
+        xhat = y if bias is None else y - bias
+        if weight is not None:
+            xhat = xhat / weight
+        if kept is not None:
+            xhat.index_copy_(-1, kept, (cols - mean).mul_(rstd))
+        need = ctx.needs_input_grad
+        # The native backward given x^ with mean 0 and 1 / std = 1 returns dX / rstd.
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy, xhat, (y.shape[-1],), torch.zeros_like(rstd), torch.ones_like(rstd), weight, bias,
+            [need[0], need[1] and weight is not None, need[2] and bias is not None])
+        return None if dx is None else dx.mul_(rstd), dw, db, None, None
+
+
+class OutputLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose backward works from its output and per-row statistics (module
+    docstring, "LayerNorm"); same Parameters, same forward. Made by :meth:`from_layernorm`."""
+
+    @classmethod
+    def from_layernorm(cls, norm: nn.LayerNorm) -> OutputLayerNorm:
+        new = cls(norm.normalized_shape, eps=norm.eps, elementwise_affine=False, device="meta")
+        new.elementwise_affine = norm.elementwise_affine
+        new.weight, new.bias = norm.weight, norm.bias
+        new.train(norm.training)
+        return new
+
+    def _kept_columns(self) -> Tensor | None:
+        """Indices of the columns that keep their input (None: none), computed again only when
+        ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
+        weight, bias = self.weight, self.bias
+        if weight is None:
+            return None
+        key = (weight.data_ptr(), weight._version, None if bias is None else
+               (bias.data_ptr(), bias._version))
+        cached = self.__dict__.get("_kept")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs()))
+                kept = (weight.abs() < floor).reshape(-1).nonzero().squeeze(1)
+            cached = self.__dict__["_kept"] = (key, kept if kept.numel() else None)
+        return cached[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and (x.requires_grad or any(
+                p is not None and p.requires_grad for p in (self.weight, self.bias)))) \
+                or x.dtype not in (torch.float32, torch.float64):
+            return super().forward(x)
+        n = math.prod(self.normalized_shape)
+        weight = None if self.weight is None else self.weight.reshape(n).to(x.dtype)
+        bias = None if self.bias is None else self.bias.reshape(n).to(x.dtype)
+        kept = self._kept_columns()
+        # Autocast computes a float32 LayerNorm in float32: the Function runs without it.
+        with torch.autocast(x.device.type, enabled=False):
+            y = _OutputLayerNormFunction.apply(x.reshape(-1, n), weight, bias, self.eps, kept)
+        return y.view(x.shape)
+
+
+def is_layernorm(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.LayerNorm`` (that type, not a subclass), which
+    :class:`OutputLayerNorm` replaces."""
+    return type(module) is nn.LayerNorm
