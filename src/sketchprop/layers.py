@@ -142,7 +142,11 @@ class SketchContext:
         """A layer's forward without gradients inside a call made with them (a reentrant
         checkpoint's first pass): keep a sample of its input for the recomputation."""
         call = self._call()
-        if call is not None and call.shape == tuple(x.shape[:-1]) and call in self._recent:
+        if call is None or call.shape != tuple(x.shape[:-1]):
+            return
+        with self._lock:  # another thread may be appending a call
+            pending = call in self._recent
+        if pending:
             call.samples.setdefault(name, []).append(_sample(x))
 
     def rows_for(self, x: Tensor, name: str | None = None) -> Tensor | None:
