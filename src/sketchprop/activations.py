@@ -725,9 +725,13 @@ class _OutputLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y, rstd, weight, bias, kept, cols, mean = ctx.saved_tensors
-        xhat = y if bias is None else y - bias
-        if weight is not None:
-            xhat = xhat / weight
+        if weight is None:
+            xhat = y if bias is None else y - bias
+        else:  # (y - beta) / gamma as y / gamma - beta / gamma: one new tensor, two passes
+            inverse = weight.reciprocal()
+            xhat = y * inverse
+            if bias is not None:
+                xhat.sub_(bias * inverse)
         if kept is not None:
             xhat.index_copy_(-1, kept, (cols - mean).mul_(rstd))
         need = ctx.needs_input_grad
