@@ -23,10 +23,12 @@ Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``
 - ``ckpt+ours``: checkpointing and our randomized layers together.
 - ``ours-noshare`` / ``ours-noskip``: ablations (saved bytes only; add them to ``--methods``).
 - ``<method>+compact``: the method, then ``patch_activations(model)`` (seeded dropout masks,
-  attention recomputed in backward, 2-bit GELU codes); ``compact`` alone is the exact model with
-  them. Each part alone, to report its own cost: ``+seeded`` (dropout only), ``+recompute``
-  (attention only), ``+gelu`` (GELU codes only), and ``+packed`` (the compact set with bit-packed
-  dropout masks), e.g. ``ours+compact``, ``ckpt+ours+compact``, ``ours+gelu``.
+  attention recomputed in backward, 2-bit GELU codes, LayerNorm from its output); ``compact``
+  alone is the exact model with them. Each part alone, to report its own cost: ``+seeded``
+  (dropout only), ``+recompute`` (attention only), ``+gelu`` (GELU codes only), ``+lnout``
+  (LayerNorm only), ``+lnstored`` (the compact set without LayerNorm from its output), and
+  ``+packed`` (the compact set with bit-packed dropout masks), e.g. ``ours+compact``,
+  ``ckpt+ours+compact``, ``ours+gelu``.
 
 Parts (``--parts``):
 
@@ -184,9 +186,11 @@ def make_batch(model_name: str, model: nn.Module, args) -> tuple[dict, dict]:
 # ``+<suffix>`` of a method: the patch_activations arguments applied after it.
 ACTIVATIONS = {
     "compact": {},
-    "seeded": {"attention": "stored", "gelu_bits": None},
-    "recompute": {"dropout": "stored", "gelu_bits": None},
-    "gelu": {"dropout": "stored", "attention": "stored"},
+    "seeded": {"attention": "stored", "gelu_bits": None, "layernorm": "stored"},
+    "recompute": {"dropout": "stored", "gelu_bits": None, "layernorm": "stored"},
+    "gelu": {"dropout": "stored", "attention": "stored", "layernorm": "stored"},
+    "lnout": {"dropout": "stored", "attention": "stored", "gelu_bits": None},
+    "lnstored": {"layernorm": "stored"},
     "packed": {"dropout": "packed"},
 }
 

@@ -184,7 +184,7 @@ MUTANTS: list[Mutant] = [
            "an encoder-decoder's mask also skips decoder rows when both sequences are as long",
            ("tests/test_patching.py::test_t5_skip_padding_exact_sketch_gives_exact_gradient",)),
     Mutant("skip-padding-ignored", LY,
-           "rows = self.context.rows_for(x) if (self.skip_padding and self.context) else None",
+           "rows = self.context.rows_for(x, self.name) if (self.skip_padding and self.context) else None",
            "rows = None",
            "skip_padding has no effect: the sketch covers padding rows",
            ("tests/test_patching.py::test_skip_padding_sketch_covers_only_real_rows",
@@ -192,8 +192,8 @@ MUTANTS: list[Mutant] = [
             "tests/test_patching.py::test_skip_padding_exact_sketch_gives_exact_gradient_and_"
             "fewer_rows")),
     Mutant("padding-mask-inverted", LY,
-           "self.rows = mask.reshape(-1).nonzero().squeeze(1)",
-           "self.rows = (mask.reshape(-1) == 0).nonzero().squeeze(1)",
+           "rows = mask.reshape(-1).nonzero().squeeze(1)",
+           "rows = (mask.reshape(-1) == 0).nonzero().squeeze(1)",
            "the padding rows are kept and the real rows skipped",
            ("tests/test_patching.py::test_skip_padding_exact_sketch_gives_exact_gradient_and_"
             "fewer_rows",

@@ -50,12 +50,33 @@ GELU inputs. Each has a leaner form, here as drop-in replacements that
   the deterministic 3-bit code scored +0.64 ± 0.37 above this default, paired over three seeds: no
   difference measured (``results/README.md``), so the smaller, unbiased code stays.
 
-**Seeds.** The dropout seeds (and those of the GELU code's rounding) come from the global CPU
-generator, the stream ``nn.Dropout`` and ``torch.utils.checkpoint`` know: a checkpointed block's
-recomputed forward restores that stream and draws the same seed, so it makes the same masks and
-the same activations as the first forward. The seed is saved as a tensor (as
+- **LayerNorm** (:class:`OutputLayerNorm`, ``layernorm="output"``): keeps its output ``y`` and
+  the per-row ``1 / std`` instead of its input, and makes the normalised input again in backward,
+  ``x^ = (y - beta) / gamma`` (Tempo, Andoorveedu et al. 2022; Approx-BP's shared normalisation
+  memory). Where the output is kept anyway (a post-LN block's output is the next self-attention
+  block's input, which ``attention="recompute"`` keeps, and exact linear layers keep their
+  inputs), the input's bytes are saved; elsewhere the output takes the input's place, the same
+  size. Columns whose ``|gamma| < 0.01 (1 + |beta|)`` (zero, or too small to divide by without
+  losing float32 accuracy) keep their input columns instead; a half-precision input keeps the
+  stored path (its output, in float32 under autocast, would be larger). Exact to float32
+  rounding: the gradients are within 1e-5 (relative) of the stored path's.
+
+**Seeds.** The dropout seeds (those of :class:`SeededDropout` and of the attention
+probabilities) come from the global CPU generator, the stream ``nn.Dropout`` and
+``torch.utils.checkpoint`` know: a checkpointed block's recomputed forward (reentrant or not)
+restores that stream and draws the same seed, so it makes the same masks and the same activations
+as the first forward. Nothing else draws from it: attention without dropout draws no seed, and
+the GELU code's rounding has a stream of its own per module (seeded by ``torch.initial_seed()``,
+the module's name and the distributed rank), so a reentrant checkpoint's first pass, which makes
+no code, and its recomputation, which does, draw the same dropout seeds; with every dropout at 0
+the patched model draws from the global generator exactly what the plain model draws (nothing).
+A dropout with ``p > 0`` draws one 64-bit word per call where ``nn.Dropout`` draws per element,
+so the stream after it differs from the plain model's. The seed is saved as a tensor (as
 :mod:`sketchprop.functional` does): were the recomputation to draw another seed, backward would
 still pair masks with the activations they made.
+
+**Eval mode.** Dropout is off and :class:`CompactGELU` is the exact GELU (it keeps its input):
+gradients taken in eval mode (saliency, say) are the plain model's, and deterministic.
 
 **Masks.** A mask element is dropped when a 16-bit random integer falls among the lowest
 ``round(p 2^16)`` of its 2^16 values, so the drop probability is ``p`` rounded to a multiple of
@@ -67,6 +88,7 @@ quarter of the generator calls that ``bernoulli_`` does.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -75,7 +97,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .functional import seed_tensor
-from .layers import RandomizedLinear
+from .layers import RandomizedLinear, _stable_seed
 
 __all__ = [
     "ATTENTION",
@@ -86,10 +108,13 @@ __all__ = [
     "DEFAULT_GELU_CODE",
     "CompactGELU",
     "GeluCode",
+    "LAYERNORM",
+    "OutputLayerNorm",
     "PackedDropout",
     "SeededDropout",
     "gelu_derivative",
     "is_exact_gelu",
+    "is_layernorm",
     "keep_mask",
     "pack_codes",
     "recompute_attention",
@@ -101,6 +126,8 @@ __all__ = [
 DROPOUT = ("stored", "seeded", "packed")
 #: ``attention=`` values.
 ATTENTION = ("stored", "recompute")
+#: ``layernorm=`` values: LayerNorm keeps its input (the model's own) or its output.
+LAYERNORM = ("stored", "output")
 #: ``gelu_code=`` values (see the module docstring).
 GELU_CODES = ("stochastic", "optimal")
 DEFAULT_GELU_BITS = 2  # why: the module docstring, "Default"
@@ -337,9 +364,8 @@ class _ProjectedAttention(torch.autograd.Function):
         return *grads, *[None] * 6
 
 
-#: Where :func:`keep_attention_input` leaves a self-attention call's input for
-#: :func:`recompute_attention`, and where the latter notes whether the module's Q, K, V check out.
-_ATTENTION_INPUT = "_sketchprop_attention_input"
+#: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
+#: input, which changes with every call, travels per call and per thread: :data:`_calls`.)
 _CHECKED = "_sketchprop_qkv_checked"
 _PROJECTIONS = ("query", "key", "value")
 # A call with any of these set projects something else than its own input (a cache, an encoder).
@@ -352,23 +378,59 @@ def has_projections(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
 
 
+# Per thread: {id(module): [input of each self-attention call in progress, innermost last]}.
+# A call's input is per call, never module state: two threads, or a module called again inside
+# its own call, each see their own.
+_calls = threading.local()
+
+
+def _inputs() -> dict[int, list]:
+    inputs = getattr(_calls, "inputs", None)
+    if inputs is None:
+        inputs = _calls.inputs = {}
+    return inputs
+
+
 def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
-    copy) for :func:`recompute_attention` to save in place of Q, K and V."""
+    copy), for this call and thread only, for :func:`recompute_attention` to save in place of
+    Q, K and V."""
     x = args[0] if args else kwargs.get("hidden_states")
-    if isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES):
-        module.__dict__[_ATTENTION_INPUT] = x
+    own = isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES)
+    _inputs().setdefault(id(module), []).append(x if own else None)
 
 
 def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     """Forward hook (also on an exception): forget what :func:`keep_attention_input` kept."""
-    module.__dict__.pop(_ATTENTION_INPUT, None)
+    inputs = _inputs()
+    stack = inputs.get(id(module))
+    if stack:
+        stack.pop()
+        if not stack:
+            del inputs[id(module)]
+
+
+def _attention_input(module: nn.Module) -> Tensor | None:
+    stack = _inputs().get(id(module))
+    return stack[-1] if stack else None
 
 
 def forget_attention_check(module: nn.Module) -> None:
     """Drop what :func:`recompute_attention` noted on ``module`` (its Q, K, V check)."""
     module.__dict__.pop(_CHECKED, None)
-    module.__dict__.pop(_ATTENTION_INPUT, None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether hooks may change what reaches or leaves the projections in this call: a forward
+    hook on a projection, a global forward hook, or a pre-hook on ``module`` besides
+    :func:`keep_attention_input` (one added after it sees, and may change, the input after it
+    was kept)."""
+    from torch.nn.modules import module as nn_module
+
+    return (len(module._forward_pre_hooks) > 1
+            or bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
+            or any(m._forward_pre_hooks or m._forward_hooks
+                   for m in (getattr(module, n) for n in _PROJECTIONS)))
 
 
 def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:
@@ -386,14 +448,15 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                         value: Tensor) -> tuple[Tensor, tuple] | None:
     """The attention block's input and its Q, K, V projections' ``(weight, bias)`` pairs when Q,
     K and V can be made again from them, else None. The first call on a module checks that they
-    give the very Q, K, V the model passed (one extra projection, once); a module that fails the
-    check keeps Q, K and V from then on, with a warning."""
-    x = module.__dict__.get(_ATTENTION_INPUT)
+    give the very Q, K, V the model passed (one extra projection, once), and so does every call
+    while hooks may change them (:func:`_hooked`); a module that fails the check keeps Q, K and V
+    from then on, with a warning."""
+    x = _attention_input(module)
     pairs = [_linear_weights(getattr(module, n, None)) for n in _PROJECTIONS]
     if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
             or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
         return None
-    if _CHECKED not in module.__dict__:
+    if _CHECKED not in module.__dict__ or _hooked(module):
         with torch.no_grad():
             same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1]), t)
                        for (w, b), t in zip(pairs, (query, key, value), strict=True))
@@ -418,7 +481,8 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     anything for nor a dropout mask to draw). ``attention_mask`` is the boolean mask
     of the mask function registered beside it (True: attend), or None without padding; an additive
     float mask works too. Returns ``(output (B, L, H, D), None)``: attention weights are not
-    materialised.
+    materialised, except when the model asks for them (``output_attentions=True``): then the
+    probabilities are computed as eager attention does, returned and kept for backward.
     """
     if key.shape[1] != query.shape[1]:
         raise ValueError("recompute_attention needs as many key/value heads as query heads, "
@@ -428,7 +492,8 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     # A forward without grad but with dropout (a reentrant checkpoint's first pass) draws its
     # masks as the recomputation will: through the Function, not SDPA's own generator.
-    if query.device.type == "cuda" or not (needs_grad or dropout > 0):
+    weights = kwargs.get("output_attentions")
+    if not weights and (query.device.type == "cuda" or not (needs_grad or dropout > 0)):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -437,14 +502,30 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if autocast:  # compute in the dtype autocast gives the projections' matmuls, as eager does
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if weights:
+        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout)
     projected = _projection_weights(module, query, key, value) if needs_grad else None
+    # No dropout, no seed: the global stream stays as the plain model leaves it.
+    seed = _draw_seed() if dropout > 0 else seed_tensor(0)
     with torch.autocast(query.device.type, enabled=False):
-        args = (query, key, value, attention_mask, float(scaling), float(dropout), _draw_seed())
+        args = (query, key, value, attention_mask, float(scaling), float(dropout), seed)
         if projected is None:
             out = _RecomputedAttention.apply(*args)
         else:
             out = _ProjectedAttention.apply(*args, *projected)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_weights(q, k, v, mask, scaling: float, p: float) -> tuple[Tensor, Tensor]:
+    """Attention by autograd that returns its (dropped) probabilities in ``q``'s dtype, as
+    transformers' eager attention does: for ``output_attentions=True``."""
+    seed = int(_draw_seed()) if p > 0 else 0
+    with torch.autocast(q.device.type, enabled=False):
+        probs, keep = _probabilities(q, k, mask, float(scaling), p, seed)
+        if keep is not None:
+            probs = probs * keep * _drop_threshold(p)[1]
+        out = torch.matmul(probs.to(v.dtype), v)
+    return out.transpose(1, 2).contiguous(), probs.to(q.dtype)
 
 
 def _recompute_attention_mask(*args, **kwargs):
@@ -524,13 +605,17 @@ class GeluCode:
         thresholds = (levels[1:] + levels[:-1]) / 2
         return cls(bits, tuple(levels.tolist()), tuple(thresholds.tolist()))
 
-    def encode(self, g: Tensor) -> Tensor:
-        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g`` (consumed)."""
+    def encode(self, g: Tensor, seed: int | None = None) -> Tensor:
+        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g`` (consumed).
+        A stochastic code rounds with the dither ``seed`` makes (None: one drawn from the global
+        generator)."""
         top = 2**self.bits - 1
         if self.stochastic:
             lo, step = self.levels[0], self.levels[1] - self.levels[0]
+            if seed is None:
+                seed = int(_draw_seed())
             # code = floor((g - lo) / step + u), u = (r + 2^15 + 1/2) / 2^16 for a 16-bit r.
-            dither = _random_int16(g.numel(), int(_draw_seed()), g.device).view(g.shape)
+            dither = _random_int16(g.numel(), seed, g.device).view(g.shape)
             v = g.mul_(1 / step).add_(32768.5 / 65536 - lo / step).add_(dither, alpha=1 / 65536)
             return v.clamp_(0, top).to(torch.uint8)  # truncation is floor for v >= 0
         code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
@@ -551,8 +636,8 @@ class GeluCode:
 
 class _CompactGeluFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, code: GeluCode) -> Tensor:
-        codes = code.encode(gelu_derivative(x))
+    def forward(ctx, x: Tensor, code: GeluCode, seed: int | None) -> Tensor:
+        codes = code.encode(gelu_derivative(x), seed)
         ctx.code, ctx.shape = code, x.shape
         ctx.save_for_backward(pack_codes(codes, code.bits))
         return F.gelu(x)
@@ -561,7 +646,7 @@ class _CompactGeluFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
         codes = unpack_codes(packed, ctx.code.bits, dy.numel()).view(ctx.shape)
-        return (dy * ctx.code.decode(codes)).to(dy.dtype), None
+        return (dy * ctx.code.decode(codes)).to(dy.dtype), None, None
 
 
 class CompactGELU(nn.Module):
@@ -569,26 +654,41 @@ class CompactGELU(nn.Module):
 
     ``code``: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, fit by
     :meth:`GeluCode.fit` on the first training batch this module sees; ``fitted`` holds it).
+    ``name`` (the module's qualified name) seeds the stochastic code's rounding stream, with
+    ``torch.initial_seed()`` and the distributed rank; the global generator is never drawn from
+    (module docstring, "Seeds"). In eval mode the module is the exact GELU.
     """
 
-    def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE):
+    def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE,
+                 name: str = ""):
         super().__init__()
         if not (isinstance(bits, int) and 1 <= bits <= 8):
             raise ValueError(f"gelu_bits must be an integer in 1..8 or None, got {bits!r}")
         if code not in GELU_CODES:
             raise ValueError(f"unknown gelu_code {code!r}; choose one of {list(GELU_CODES)}")
-        self.bits, self.code = bits, code
+        self.bits, self.code, self.name = bits, code, name
         self.fitted: GeluCode | None = GeluCode.uniform(bits) if code == "stochastic" else None
+        self._gen: torch.Generator | None = None
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, code={self.code}"
 
+    def _next_seed(self) -> int:
+        if self._gen is None:
+            rank = 0
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                rank = torch.distributed.get_rank()  # each rank rounds with its own dither
+            self._gen = torch.Generator().manual_seed(
+                _stable_seed("gelu", torch.initial_seed(), self.name, rank))
+        return int(torch.randint(0, 2**62, (), generator=self._gen))
+
     def forward(self, x: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            return F.gelu(x)
+        if not (self.training and torch.is_grad_enabled() and x.requires_grad):
+            return F.gelu(x)  # eval mode: exact (and deterministic) gradients
         if self.fitted is None:
             self.fitted = GeluCode.fit(x, self.bits)
-        return _CompactGeluFunction.apply(x, self.fitted)
+        seed = self._next_seed() if self.fitted.stochastic else None
+        return _CompactGeluFunction.apply(x, self.fitted, seed)
 
 
 def is_exact_gelu(module: nn.Module) -> bool:
@@ -601,3 +701,91 @@ def is_exact_gelu(module: nn.Module) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return type(module) is GELUActivation
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm.
+
+# A column whose |gamma| is below this times (1 + |beta|) keeps its input: dividing by it would
+# lose float32 accuracy (the error of x^ grows as |beta| / |gamma| times float32's epsilon).
+_GAMMA_FLOOR = 1e-2
+
+
+class _OutputLayerNormFunction(torch.autograd.Function):
+    """LayerNorm over the last dimension of a 2-D ``x`` that saves its output, ``1 / std`` per row
+    and the input columns listed in ``kept`` (with the row means), not the input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, kept: Tensor | None):
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        cols = None if kept is None else x.index_select(-1, kept)
+        ctx.save_for_backward(y, rstd, weight, bias, kept, cols, None if kept is None else mean)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, weight, bias, kept, cols, mean = ctx.saved_tensors
+        if weight is None:
+            xhat = y if bias is None else y - bias
+        else:  # (y - beta) / gamma as y / gamma - beta / gamma: one new tensor, two passes
+            inverse = weight.reciprocal()
+            xhat = y * inverse
+            if bias is not None:
+                xhat.sub_(bias * inverse)
+        if kept is not None:
+            xhat.index_copy_(-1, kept, (cols - mean).mul_(rstd))
+        need = ctx.needs_input_grad
+        # The native backward given x^ with mean 0 and 1 / std = 1 returns dX / rstd.
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy, xhat, (y.shape[-1],), torch.zeros_like(rstd), torch.ones_like(rstd), weight, bias,
+            [need[0], need[1] and weight is not None, need[2] and bias is not None])
+        return None if dx is None else dx.mul_(rstd), dw, db, None, None
+
+
+class OutputLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose backward works from its output and per-row statistics (module
+    docstring, "LayerNorm"); same Parameters, same forward. Made by :meth:`from_layernorm`."""
+
+    @classmethod
+    def from_layernorm(cls, norm: nn.LayerNorm) -> OutputLayerNorm:
+        new = cls(norm.normalized_shape, eps=norm.eps, elementwise_affine=False, device="meta")
+        new.elementwise_affine = norm.elementwise_affine
+        new.weight, new.bias = norm.weight, norm.bias
+        new.train(norm.training)
+        return new
+
+    def _kept_columns(self) -> Tensor | None:
+        """Indices of the columns that keep their input (None: none), computed again only when
+        ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
+        weight, bias = self.weight, self.bias
+        if weight is None:
+            return None
+        key = (weight.data_ptr(), weight._version, None if bias is None else
+               (bias.data_ptr(), bias._version))
+        cached = self.__dict__.get("_kept")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs()))
+                kept = (weight.abs() < floor).reshape(-1).nonzero().squeeze(1)
+            cached = self.__dict__["_kept"] = (key, kept if kept.numel() else None)
+        return cached[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and (x.requires_grad or any(
+                p is not None and p.requires_grad for p in (self.weight, self.bias)))) \
+                or x.dtype not in (torch.float32, torch.float64):
+            return super().forward(x)
+        n = math.prod(self.normalized_shape)
+        weight = None if self.weight is None else self.weight.reshape(n).to(x.dtype)
+        bias = None if self.bias is None else self.bias.reshape(n).to(x.dtype)
+        kept = self._kept_columns()
+        # Autocast computes a float32 LayerNorm in float32: the Function runs without it.
+        with torch.autocast(x.device.type, enabled=False):
+            y = _OutputLayerNormFunction.apply(x.reshape(-1, n), weight, bias, self.eps, kept)
+        return y.view(x.shape)
+
+
+def is_layernorm(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.LayerNorm`` (that type, not a subclass), which
+    :class:`OutputLayerNorm` replaces."""
+    return type(module) is nn.LayerNorm

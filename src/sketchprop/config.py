@@ -70,6 +70,7 @@ AdapterName = enum.Enum("AdapterName", {a: a for a in ("none", "lora")}, type=st
 DropoutMode = enum.Enum("DropoutMode", {m: m for m in activations.DROPOUT}, type=str)
 AttentionMode = enum.Enum("AttentionMode", {m: m for m in activations.ATTENTION}, type=str)
 GeluCodeName = enum.Enum("GeluCodeName", {m: m for m in activations.GELU_CODES}, type=str)
+LayerNormMode = enum.Enum("LayerNormMode", {m: m for m in activations.LAYERNORM}, type=str)
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -215,12 +216,15 @@ class ActivationsConfig:
     attention: AttentionMode = AttentionMode.stored  # recompute: probabilities redone in backward
     gelu_bits: int | None = None  # bits of the code of GELU's derivative; null keeps its input
     gelu_code: GeluCodeName = GeluCodeName.stochastic  # stochastic (unbiased) or optimal (biased)
+    # output: LayerNorm's backward from its output (exact to float32 rounding). Stored here, so
+    # that the runs filed before it keep their identity; the library's default set has it on.
+    layernorm: LayerNormMode = LayerNormMode.stored
 
     @property
     def stored(self) -> bool:
         """True when nothing is changed: the model is left unpatched."""
         return (self.dropout == DropoutMode.stored and self.attention == AttentionMode.stored
-                and self.gelu_bits is None)
+                and self.gelu_bits is None and self.layernorm == LayerNormMode.stored)
 
     def __post_init__(self):
         _check(self.gelu_bits is None or 1 <= self.gelu_bits <= 8, "activations.gelu_bits",

@@ -6,7 +6,9 @@ import hashlib
 import math
 import re
 import sys
+import threading
 import weakref
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from contextlib import nullcontext
 
@@ -50,35 +52,142 @@ def _stable_seed(*parts) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _sample(x: Tensor) -> Tensor:
+    """At most 256 entries of ``x`` spread over its rows and columns (a copy): enough to tell the
+    inputs of two model calls apart, as the bit-identical recomputation of one matches it."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    index = torch.arange(0, x2.shape[0], max(1, x2.shape[0] // 256), device=x.device)
+    return x2[index, index % x2.shape[1]]
+
+
+class _Call:
+    """One model call made with gradients: its padding rows and, under checkpointing, samples of
+    what each layer saw (by layer name), by which a recomputation finds the call it redoes."""
+
+    __slots__ = ("shape", "rows", "samples", "claimed")
+
+    def __init__(self, shape: tuple[int, ...], rows: Tensor):
+        self.shape, self.rows = shape, rows
+        self.samples: dict[str, list[Tensor]] = {}
+        self.claimed = False
+
+    def matches(self, name: str, sample: Tensor) -> bool:
+        return any(s.shape == sample.shape and torch.equal(s, sample)
+                   for s in self.samples.get(name, ()))
+
+
+def _checkpointed_pass() -> bool:
+    """Whether saved tensors are being packed by a hook (non-reentrant checkpointing's first pass,
+    or offloading): what a layer saves now may be recomputed in backward."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 class SketchContext:
     """State shared by the layers patched in one model.
 
-    - ``rows``: indices of the non-padding token rows of the current batch, taken from the model's
-      ``attention_mask`` by a forward pre-hook (``skip_padding``). It stays until the next model call,
-      so activation-checkpoint recomputation in backward sees the same rows.
+    - the non-padding token rows of a model call, taken from its ``attention_mask`` by a forward
+      pre-hook (``skip_padding``). They are per call and per thread: each thread's forward reads
+      the rows of its own current call. A recomputation in backward (activation checkpointing,
+      reentrant or not) reads the rows of the call it recomputes: the context remembers the
+      last :attr:`RECENT` calls made with gradients; those not yet claimed by a backward are the
+      candidates, and when several of the recomputed input's shape remain (two forwards before
+      one backward, or threads), samples of each layer's input taken in the first pass tell them
+      apart. A recomputation that matches no call, or several with different padding, raises.
     - a cache of sketches by input tensor (``share_inputs``): layers that read the same tensor
       (Q, K, V) reuse one ``S^T X`` and its seed (or plan, for a data-dependent sketch), and learn
       who formed it. Entries hold weak references to the input and the sketch, so the cache never
       keeps either alive.
     """
 
+    #: Model calls remembered for recomputation in backward.
+    RECENT = 16
+
     def __init__(self):
-        self.mask_shape: tuple[int, ...] | None = None
-        self.rows: Tensor | None = None
+        self._local = threading.local()
+        self._recent: deque[_Call] = deque(maxlen=self.RECENT)
+        self._tasks: OrderedDict[int, list[_Call]] = OrderedDict()
+        self._lock = threading.Lock()
         self._shared: dict[tuple, tuple] = {}
+
+    def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) starts without calls
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def _call(self) -> _Call | None:
+        return getattr(self._local, "call", None)
+
+    @property
+    def mask_shape(self) -> tuple[int, ...] | None:
+        call = self._call()
+        return None if call is None else call.shape
+
+    @property
+    def rows(self) -> Tensor | None:
+        call = self._call()
+        return None if call is None else call.rows
 
     def set_mask(self, mask: Tensor | None) -> None:
         if mask is None or mask.dim() != 2:
-            self.mask_shape, self.rows = None, None
+            self._local.call = None
             return
-        self.mask_shape = tuple(mask.shape)
-        self.rows = mask.reshape(-1).nonzero().squeeze(1)
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        call = self._local.call = _Call(tuple(mask.shape), rows)
         self._shared.clear()
+        if torch.is_grad_enabled():
+            with self._lock:
+                self._recent.append(call)
 
-    def rows_for(self, x: Tensor) -> Tensor | None:
-        if self.rows is not None and tuple(x.shape[:-1]) == self.mask_shape:
-            return self.rows
-        return None
+    def note(self, x: Tensor, name: str) -> None:
+        """A layer's forward without gradients inside a call made with them (a reentrant
+        checkpoint's first pass): keep a sample of its input for the recomputation."""
+        call = self._call()
+        if call is None or call.shape != tuple(x.shape[:-1]):
+            return
+        with self._lock:  # another thread may be appending a call
+            pending = call in self._recent
+        if pending:
+            call.samples.setdefault(name, []).append(_sample(x))
+
+    def rows_for(self, x: Tensor, name: str | None = None) -> Tensor | None:
+        """The non-padding rows of the call that ``x`` (the input of layer ``name``) belongs to,
+        or None when ``x`` is not shaped as its mask."""
+        shape = tuple(x.shape[:-1])
+        if torch._C._current_graph_task_id() != -1:  # in backward: a checkpoint's recomputation
+            return self._recomputed_rows(x, shape, name)
+        call = self._call()
+        if call is None or call.shape != shape:
+            return None
+        if name is not None and _checkpointed_pass():
+            call.samples.setdefault(name, []).append(_sample(x))
+        return call.rows
+
+    def _recomputed_rows(self, x: Tensor, shape: tuple, name: str | None) -> Tensor | None:
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if task not in self._tasks:  # the calls this backward may recompute
+                self._tasks[task] = [c for c in self._recent if not c.claimed]
+                for c in self._tasks[task]:
+                    c.claimed = True
+                while len(self._tasks) > self.RECENT:
+                    self._tasks.popitem(last=False)
+            pending = [c for c in self._tasks[task] if c.shape == shape]
+            recent = [c for c in self._recent if c.shape == shape]
+        if len(pending) == 1:
+            return pending[0].rows
+        if not recent:
+            return None  # no call with a mask of this shape: none with padding rows to skip
+        sample = _sample(x)
+        for candidates in (pending, recent):
+            found = [c for c in candidates if name is not None and c.matches(name, sample)]
+            if found and all(torch.equal(c.rows, found[0].rows) for c in found):
+                return found[0].rows
+        raise RuntimeError(
+            f"skip_padding: the recomputation of layer {name!r} in backward (activation "
+            f"checkpointing) cannot tell which of {len(recent)} recent model calls shaped "
+            f"{shape} it redoes, and their padding differs; run backward after each forward, "
+            "or patch with skip_padding=False")
 
     def lookup(self, key: tuple, x: Tensor) -> tuple | None:
         """``(sx, seed, plan, owner, qvar)`` stored for input ``x`` under ``key``, or None."""
@@ -242,6 +351,8 @@ class RandomizedLinear(nn.Linear):
         # gradient reaches the (in, out) Parameter.
         weight = self.weight.T if self.fan_in_fan_out else self.weight
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            if self.skip_padding and self.context is not None and not torch.is_grad_enabled():
+                self.context.note(x, self.name)  # a reentrant checkpoint's first pass, maybe
             return F.linear(x, weight, self.bias)
         bias, inp = self.bias, x
         device_type = x.device.type
@@ -252,7 +363,7 @@ class RandomizedLinear(nn.Linear):
             inp, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
 
-        rows = self.context.rows_for(x) if (self.skip_padding and self.context) else None
+        rows = self.context.rows_for(x, self.name) if (self.skip_padding and self.context) else None
         n = x.numel() // x.shape[-1] if rows is None else rows.shape[0]
         k, k_uniform, allocated = self.num_rows(n)
         sketch = self.sketch if k < n else SKETCHES["exact"]

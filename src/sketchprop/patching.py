@@ -296,6 +296,7 @@ def patch_activations(
     attention: str = "recompute",
     gelu_bits: int | None = act.DEFAULT_GELU_BITS,
     gelu_code: str = act.DEFAULT_GELU_CODE,
+    layernorm: str = "output",
     targets: str | None = None,
     exclude: str | None = None,
 ) -> list[str]:
@@ -319,8 +320,12 @@ def patch_activations(
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module), or
             None to leave GELU as it is.
         gelu_code: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, biased).
-        targets / exclude: regexes on qualified module names selecting the dropout and GELU
-            modules, as in :func:`patch_linear`.
+        layernorm: ``"output"`` (:class:`~sketchprop.activations.OutputLayerNorm` in place of each
+            ``nn.LayerNorm``: backward works from the output, which the next block keeps anyway
+            in a post-LN encoder, and per-row statistics, not from the input; exact to float32
+            rounding) or ``"stored"``. A model without ``nn.LayerNorm`` is left as it is.
+        targets / exclude: regexes on qualified module names selecting the dropout, GELU and
+            LayerNorm modules, as in :func:`patch_linear`.
 
     Returns:
         The qualified names of the replaced modules, in module order. The attention switch is not
@@ -336,10 +341,14 @@ def patch_activations(
         raise ValueError(f"unknown dropout {dropout!r}; choose one of {list(act.DROPOUT)}")
     if attention not in act.ATTENTION:
         raise ValueError(f"unknown attention {attention!r}; choose one of {list(act.ATTENTION)}")
+    if layernorm not in act.LAYERNORM:
+        raise ValueError(f"unknown layernorm {layernorm!r}; choose one of {list(act.LAYERNORM)}")
     if gelu_bits is not None:
         act.CompactGELU(gelu_bits, gelu_code)  # raises for bad bits or code
-    if dropout == "stored" and attention == "stored" and gelu_bits is None:
-        raise ValueError("dropout='stored', attention='stored' and gelu_bits=None: nothing to patch")
+    if dropout == "stored" and attention == "stored" and gelu_bits is None \
+            and layernorm == "stored":
+        raise ValueError("dropout='stored', attention='stored', gelu_bits=None and "
+                         "layernorm='stored': nothing to patch")
     if getattr(model, _ACTIVATIONS, None) is not None:
         raise ValueError("model's activations are already patched; call unpatch_activations(model) "
                          "first")
@@ -357,10 +366,17 @@ def patch_activations(
             raise _no_match("exact GELU module (nn.GELU() or transformers' GELUActivation)",
                             targets, exclude, model, act.is_exact_gelu, "patch_activations")
         for n in names:
-            new[n] = act.CompactGELU(gelu_bits, gelu_code).train(model.get_submodule(n).training)
+            new[n] = act.CompactGELU(gelu_bits, gelu_code, name=n).train(
+                model.get_submodule(n).training)
+    if layernorm == "output":
+        new.update({n: act.OutputLayerNorm.from_layernorm(model.get_submodule(n))
+                    for n in _select(model, act.is_layernorm, targets, exclude)})
     if attention == "recompute":
         owner = _attention_owner(model)
 
+    if not new and attention == "stored":
+        raise ValueError(f"targets={targets!r} exclude={exclude!r} match no module of the parts "
+                         "asked for: nothing to patch")
     new = {n: new[n] for n, _ in model.named_modules() if n in new}  # module order
     state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None}
     if attention == "recompute":
@@ -383,6 +399,8 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     state = getattr(model, _ACTIVATIONS, None)
     if state is None:
         return []
+    for name, original in state["modules"].items():  # the mode the model has now, not at patching
+        original.train(model.get_submodule(name).training)
     names = _swap(model, state["modules"])
     if state["attention"] is not None:
         owner = _attention_owner(model)

@@ -146,6 +146,8 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
     compact = dict(config.get("activations") or NEUTRAL["activations"])
     if compact.get("gelu_bits") is None:
         compact.pop("gelu_code", None)
+    if compact.get("layernorm", "stored") == "stored":  # added later: neutral when stored
+        compact.pop("layernorm", None)
     model = config["model"]
     model_id = {"name": model["name"]}
     if model.get("random"):

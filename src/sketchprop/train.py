@@ -530,7 +530,8 @@ def _patch(conf: Config, model) -> tuple[list[str], list[str]]:
     compact, a = [], conf.activations
     if not a.stored:
         compact = patch_activations(model, dropout=a.dropout.value, attention=a.attention.value,
-                                    gelu_bits=a.gelu_bits, gelu_code=a.gelu_code.value)
+                                    gelu_bits=a.gelu_bits, gelu_code=a.gelu_code.value,
+                                    layernorm=a.layernorm.value)
         log.info("%s: activations compact (dropout %s, attention %s, GELU %s-bit %s): %d modules",
                  conf.model.name, a.dropout.value, a.attention.value, a.gelu_bits,
                  a.gelu_code.value, len(compact))
