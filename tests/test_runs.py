@@ -53,22 +53,23 @@ def _glue_and_identity(overrides):
     return conf, run_files(conf, cfg, glue.resolve_glue_dir(conf.data.glue_dir))
 
 
-def test_adapter_lora_brings_its_learning_rate_and_trains_what_lora_cpu_trains(monkeypatch):
+@pytest.mark.parametrize("method", ["blocksrht", "exact"])
+def test_adapter_lora_brings_its_learning_rate_and_trains_what_lora_cpu_trains(monkeypatch, method):
     """`make glue TASK=cola RHO=0.1 SKETCH=blocksrht ARGS=adapter=lora` on this machine (the CPU
     setup, chosen at launch) is the committed experiment=lora_cpu run of the same method and seed:
     the same identity, so the same recipe, adapter, method, model, data and seed, under the same
     file name. LoRA at the full fine-tuning rate (1e-4) learns nothing on CoLA."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    glue_run = choose_setup(["task=cola", "method=blocksrht", "method.rho=0.1", "adapter=lora"])
+    glue_run = choose_setup(["task=cola", f"method={method}", "method.rho=0.1", "adapter=lora"])
     conf, files = _glue_and_identity(glue_run)
-    _, lora_cpu = _glue_and_identity(["task=cola", "experiment=lora_cpu", "method=blocksrht",
+    _, lora_cpu = _glue_and_identity(["task=cola", "experiment=lora_cpu", f"method={method}",
                                       "scheme=ours", "method.rho=0.1", "train.seed=1"])
     assert conf.train.learning_rate == 3e-3
-    assert files.ident == lora_cpu.ident
-    committed = REPO_ROOT / "results/runs/lora_cpu/cola" / files.index.name
-    if committed.exists():
-        assert json.loads(committed.read_text())["identity"] == files.ident
+    assert files.ident == lora_cpu.ident and files.index.name == lora_cpu.index.name
+    committed = REPO_ROOT / "results/runs/lora_cpu/cola"
+    if committed.exists():  # the committed run of this method and seed is this run
+        assert json.loads((committed / files.index.name).read_text())["identity"] == files.ident
 
 
 @pytest.mark.parametrize("setup", ["cpu", "paper"])

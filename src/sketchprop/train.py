@@ -657,7 +657,7 @@ def _remove_unused_run_folder(hc) -> None:
     ``hydra.run.dir``) and that holds nothing but Hydra's config copy and this process's log;
     a folder given with ``hydra.run.dir=...`` stays."""
     folder = Path(hc.runtime.output_dir)
-    if not folder.is_dir() or not folder.name.endswith(f"_{_run_id()}"):
+    if _rank() != 0 or not folder.is_dir() or not folder.name.endswith(f"_{_run_id()}"):
         return
     logs = [h for h in logging.root.handlers
             if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == folder]
@@ -668,7 +668,7 @@ def _remove_unused_run_folder(hc) -> None:
     for handler in logs:
         logging.root.removeHandler(handler)
         handler.close()
-    shutil.rmtree(folder)
+    shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):
         folder.parent.rmdir()  # the date folder, when this was its only run
 
@@ -694,7 +694,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(130)
     except runs.Claimed as err:
         if not sweep:
-            print(f"refused: {err}", file=sys.stderr, flush=True)
+            print(f"refused: {err}", file=sys.stderr, flush=True)  # its folder goes, with its log
             _remove_unused_run_folder(hc)
             sys.exit(EXIT_CLAIMED)
         log.warning("skipped: %s", err)  # a sweep's job someone else runs: not a failure
