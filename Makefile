@@ -4,10 +4,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures
+.PHONY: help install test lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures
 
 help:  ## list the targets
-	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2; next} \
+		/^## / {sub(/^## +/, ""); printf "  %-14s %s\n", "", $$0}' $(MAKEFILE_LIST)
 
 install: $(VENV)/.installed  ## make .venv and install the package with its dev tools
 
@@ -22,6 +23,12 @@ test: install  ## run the test suite (tiny models, no downloads)
 
 lint: install  ## ruff
 	$(PY) -m ruff check src tests scripts
+
+# What runs leave behind that is not a result: run folders, sweep folders, unkept result copies
+# (outputs/) and the checkpoints of interrupted runs. results/ (the filed runs, tables, figures) is
+# never touched.
+clean:  ## remove outputs/ (run and sweep folders, unkept results) and checkpoints/; never results/
+	rm -rf -- outputs checkpoints
 
 .PHONY: mutants
 mutants: install  ## plant one small bug at a time in a temp copy; fail if the tests miss one (~10 min)
@@ -38,7 +45,9 @@ RHO    ?=
 SEED   ?=
 ARGS   ?=
 
-glue: install  ## fine-tune one GLUE run: make glue TASK=cola RHO=0.1 SKETCH=gaussian SEED=1 [SETUP=paper|cpu MODEL=... ARGS=...]
+glue: install  ## fine-tune one GLUE run: make glue TASK=cola RHO=0.1 SKETCH=gaussian SEED=1 [SETUP=paper|cpu MODEL=... ARGS=...];
+##                 ARGS=activations=compact (compact activations), ARGS=adapter=lora (peft LoRA, its own learning rate),
+##                 ARGS="train.learning_rate=3e-4 ..." (any Hydra override)
 	$(PY) -m sketchprop.train $(if $(SETUP),setup=$(SETUP)) $(if $(TASK),task=$(TASK)) $(if $(MODEL),model=$(MODEL)) \
 		$(if $(SKETCH),method=$(SKETCH)) $(if $(RHO),method.rho=$(RHO)) \
 		$(if $(SEED),train.seed=$(SEED)) $(ARGS)
@@ -142,6 +151,9 @@ memory: install  ## Table 3, Figure 3 on this CPU: roberta-base saved bytes (exa
 	$(PY) scripts/memory_table.py --points table3 --parts bytes $(ARGS)
 	$(PY) scripts/memory_table.py --points table3 --tasks CoLA --parts memory $(ARGS)
 	$(PY) scripts/memory_table.py --points figure3 --parts bytes,memory $(ARGS)
+
+bench: install  ## the CPU benchmark suite that fills results/bench/ (about an hour): make bench [ARGS="layer variance"] for some
+	PYTHON=$(PY) scripts/bench_all_cpu.sh $(ARGS)
 
 architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md
 	$(PY) scripts/architectures.py $(ARGS)

@@ -707,7 +707,7 @@ def tuning(runs: list[dict], out: Path, pool: str = "minilm_cpu") -> None:
         "(chosen on CoLA) is fixed for every task, sketch and rate; results/README.md says why "
         "other tasks' checks did not change it. LoRA (adapter=lora) trains far fewer weights and "
         "was tuned on its own, once, on CoLA; its rate is fixed in "
-        "configs/experiment/lora_cpu.yaml.\n\n" + describe(tuned)))
+        "configs/adapter/lora.yaml (adapter=lora brings it).\n\n" + describe(tuned)))
 
 
 def load_memory(memory_dir: Path) -> list[dict]:

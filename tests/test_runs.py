@@ -47,6 +47,41 @@ def test_committed_runs_keep_their_identity():
         assert files.index.resolve() == path.resolve(), path
 
 
+def _glue_and_identity(overrides):
+    cfg = compose(overrides)
+    conf = validate(cfg)
+    return conf, run_files(conf, cfg, glue.resolve_glue_dir(conf.data.glue_dir))
+
+
+@pytest.mark.parametrize("method", ["blocksrht", "exact"])
+def test_adapter_lora_brings_its_learning_rate_and_trains_what_lora_cpu_trains(monkeypatch, method):
+    """`make glue TASK=cola RHO=0.1 SKETCH=blocksrht ARGS=adapter=lora` on this machine (the CPU
+    setup, chosen at launch) is the committed experiment=lora_cpu run of the same method and seed:
+    the same identity, so the same recipe, adapter, method, model, data and seed, under the same
+    file name. LoRA at the full fine-tuning rate (1e-4) learns nothing on CoLA."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    glue_run = choose_setup(["task=cola", f"method={method}", "method.rho=0.1", "adapter=lora"])
+    conf, files = _glue_and_identity(glue_run)
+    _, lora_cpu = _glue_and_identity(["task=cola", "experiment=lora_cpu", f"method={method}",
+                                      "scheme=ours", "method.rho=0.1", "train.seed=1"])
+    assert conf.train.learning_rate == 3e-3
+    assert files.ident == lora_cpu.ident and files.index.name == lora_cpu.index.name
+    committed = REPO_ROOT / "results/runs/lora_cpu/cola"
+    if committed.exists():  # the committed run of this method and seed is this run
+        assert json.loads((committed / files.index.name).read_text())["identity"] == files.ident
+
+
+@pytest.mark.parametrize("setup", ["cpu", "paper"])
+def test_the_command_line_learning_rate_wins_over_the_adapter(setup):
+    recipe = validate(compose([f"setup={setup}"])).train.learning_rate
+    assert validate(compose([f"setup={setup}", "adapter=lora"])).train.learning_rate == 3e-3
+    assert validate(compose([f"setup={setup}", "adapter=lora", "train.learning_rate=5e-4"])
+                    ).train.learning_rate == 5e-4
+    assert validate(compose([f"setup={setup}", "adapter=none"])).train.learning_rate == recipe
+    assert recipe != 3e-3
+
+
 def test_recipe_hash_ignores_the_seed_only():
     ident = {"task": "cola", "method": {"sketch": "exact"}, "seed": 1, "train": {"epochs": 3.0}}
     other_seed = {**ident, "seed": 2}

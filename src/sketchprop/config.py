@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -336,6 +337,12 @@ def _sweep_subdir(overrides: str, seed: Any) -> str:
     return f"{overrides.replace('/', '_') or 'default'}/seed={seed}"
 
 
+def _run_id() -> str:
+    """``${sp.run_id:}``: the process id that makes a run's folder its own (two runs started in the
+    same second get two folders). Under torchrun the launcher's, so the ranks of one run share one."""
+    return str(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
+
+
 def register() -> None:
     """Register the schemas and the ``sp.*`` resolvers (idempotent; done on import)."""
     cs = ConfigStore.instance()
@@ -348,6 +355,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("sp.repo", lambda: str(REPO_ROOT), replace=True)
     OmegaConf.register_new_resolver("sp.package_model", _package_model_path, replace=True)
     OmegaConf.register_new_resolver("sp.sweep_subdir", _sweep_subdir, replace=True)
+    OmegaConf.register_new_resolver("sp.run_id", _run_id, replace=True)
 
 
 register()

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -30,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import glue, runs
-from .config import CONFIG_DIR, REPO_ROOT, AdapterConfig, Config, ConfigError, validate
+from .config import CONFIG_DIR, REPO_ROOT, AdapterConfig, Config, ConfigError, _run_id, validate
 
 log = logging.getLogger(__name__)
 
@@ -653,6 +654,28 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _remove_unused_run_folder(hc) -> None:
+    """Remove the run folder of a run that did nothing (skipped or refused), so that every run
+    folder holds a run. Only a folder this process named (``..._<pid>``, config.yaml's
+    ``hydra.run.dir``) and that holds nothing but Hydra's config copy and this process's log;
+    a folder given with ``hydra.run.dir=...`` stays."""
+    folder = Path(hc.runtime.output_dir)
+    if _rank() != 0 or not folder.is_dir() or not folder.name.endswith(f"_{_run_id()}"):
+        return
+    logs = [h for h in logging.root.handlers
+            if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == folder]
+    expected = {folder / ".hydra", *(Path(h.baseFilename) for h in logs)}
+    hydra_files = list((folder / ".hydra").iterdir()) if (folder / ".hydra").is_dir() else []
+    if set(folder.iterdir()) - expected or any(p.suffix != ".yaml" for p in hydra_files):
+        return
+    for handler in logs:
+        logging.root.removeHandler(handler)
+        handler.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()  # the date folder, when this was its only run
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The Hydra entry point. Expected failures print a one-paragraph message; in a sweep a
@@ -663,7 +686,8 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
     try:
-        run(cfg)
+        if run(cfg) is None and not sweep:
+            _remove_unused_run_folder(hc)  # skipped: the result exists
     except Interrupted as err:
         print(f"\n{err}", file=sys.stderr, flush=True)
         sys.exit(130)
@@ -673,7 +697,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(130)
     except runs.Claimed as err:
         if not sweep:
-            log.error("%s", err)
+            print(f"refused: {err}", file=sys.stderr, flush=True)  # its folder goes, with its log
+            _remove_unused_run_folder(hc)
             sys.exit(EXIT_CLAIMED)
         log.warning("skipped: %s", err)  # a sweep's job someone else runs: not a failure
         runs.record_skip(Path(hc.runtime.output_dir), err, list(hc.overrides.task))
