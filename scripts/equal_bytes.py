@@ -43,6 +43,7 @@ differs from :data:`sketchprop.quantize.DEFAULT_GROUP`.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -313,8 +314,10 @@ def figure(payload: dict, path: Path) -> None:
     axes[0][0].set_ylabel("E|G_hat - G|^2 / |G|^2 (mean over layers)")
     fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=4,
                fontsize=8.5, frameon=False, bbox_to_anchor=(0.5, -0.02))
-    fig.suptitle("Weight-gradient error against stored bits, all-MiniLM-L6-v2, "
-                 "one training batch per task", fontsize=11)
+    model = "tiny random BERT (--quick)" if payload["args"]["quick"] else "all-MiniLM-L6-v2"
+    n = payload["args"]["batches"]
+    fig.suptitle(f"Weight-gradient error against stored bits, {model}, {n} training batch"
+                 f"{'es' if n > 1 else ''} of {payload['args']['batch']} per task", fontsize=11)
     fig.tight_layout(rect=(0, 0.17, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130, metadata={"Software": None})
@@ -339,7 +342,12 @@ def main(argv=None) -> None:
     bu.add_threads_arg(p)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only draw the figure from a JSON file this script wrote")
     args = p.parse_args(argv)
+    if args.replot:
+        figure(json.loads(Path(args.replot).read_text()), Path(args.figure or FIGURE))
+        return
     tasks = bu.parse_list(args.tasks)
     bad = [t for t in tasks if t not in TASKS]
     if bad:
