@@ -283,10 +283,12 @@ def figure(payload: dict, path: Path) -> None:
     for ax, (task, res) in zip(axes[0], tasks.items(), strict=True):
         s = res["summary"]
         rhos = payload["rhos"]
-        for name in SKETCH_NAMES:
+        for i, name in enumerate(SKETCH_NAMES):
             pts = [s[f"{name}@{r:g}"] for r in rhos]
+            # Wide to narrow, so that sketches whose curves coincide all stay visible.
             (h,) = ax.plot([p["bits"] for p in pts], [p["rel_err"] for p in pts], "o-",
-                           color=colors[name], ms=4, lw=1.3, label=f"{name}")
+                           color=colors[name], ms=7 - i, lw=4.5 - 0.6 * i, alpha=0.85,
+                           label=f"{name}")
             handles.setdefault(h.get_label(), h)
         for name in payload["combo_sketches"]:
             for b in CODE_BITS:
@@ -313,7 +315,10 @@ def figure(payload: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("E|G_hat - G|^2 / |G|^2 (mean over layers)")
     fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=4,
-               fontsize=8.5, frameon=False, bbox_to_anchor=(0.5, -0.02))
+               fontsize=8.5, frameon=False, bbox_to_anchor=(0.5, -0.02),
+               title="sketches at rho " + ", ".join(f"{r:g}" for r in payload["rhos"])
+                     + " (left to right); gaussian ~ rademacher and dct ~ dft ~ blocksrht overlap",
+               title_fontsize=8.5)
     model = "tiny random BERT (--quick)" if payload["args"]["quick"] else "all-MiniLM-L6-v2"
     n = payload["args"]["batches"]
     fig.suptitle(f"Weight-gradient error against stored bits, {model}, {n} training batch"
