@@ -152,7 +152,7 @@ def measure_layer(x: torch.Tensor, y: torch.Tensor, args, first: bool) -> dict:
             vs = {rho: expected_variance(name, x, y, k) for rho, k in ks.items()}
         for rho, k in ks.items():
             out[f"{name}@{rho:g}"] = {"err": vs[rho], "bits": 32 * k / n}
-    x32, y32 = x.float(), y.float()  # the layer's dtype (quantized_variance takes float32 Y)
+    x32, y32 = x.float(), y.float()  # the rows as the layer stores them
     for g in args.groups:
         for b in CODE_BITS:
             out[f"int{b}/g{g}"] = {"err": quantized_variance(x32, y32, b, g),

@@ -269,7 +269,7 @@ def quantized_variance(x, y, bits: int, group: int = DEFAULT_GROUP) -> float:
     x, y = torch.as_tensor(x), torch.as_tensor(y)
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
     _, _, row_var = quantize(x2, bits, group, seed=0, variance=True)  # the grid has no seed
-    return float((_sqnorm_rows(y2).double() * row_var.double()).sum())
+    return float((y2.double().square().sum(1) * row_var.double()).sum())
 
 
 def _transform_matrix(sk: Sketch, n: int, device) -> Tensor | None:
