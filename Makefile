@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures
+.PHONY: help install test lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures equal-bytes
 
 help:  ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2; next} \
@@ -157,6 +157,9 @@ bench: install  ## the CPU benchmark suite that fills results/bench/ (about an h
 
 architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md
 	$(PY) scripts/architectures.py $(ARGS)
+
+equal-bytes: install  ## weight-gradient error against stored bits: sketches, b-bit X and both, on MiniLM's real activations, and the group size (a few minutes): results/bench/equal_bytes.md, results/figures/equal_bytes.png
+	$(PY) scripts/equal_bytes.py $(ARGS)
 
 # make budget: the largest batch each configuration fits in BUDGET_GIB, and the fastest that fits
 # BATCH (scripts/pick_budget.py; MODEL and TASK as for make glue, defaults roberta-base and cola).

@@ -132,6 +132,13 @@ def test_closed_form_variance_matches_monte_carlo(bits):
     assert abs(mc - closed) < 4.5 * se, (mc, closed, se)
 
 
+def test_closed_form_variance_takes_float64():
+    """float64 rows (as the variance module's other closed forms take them) give the float32 value."""
+    x, g = unbiased_data()
+    single = quantized_variance(x, g, 4, group=8)
+    assert quantized_variance(x.double(), g.double(), 4, group=8) == pytest.approx(single, rel=1e-5)
+
+
 @pytest.mark.parametrize("sketch", ["exact", "blocksrht"])
 def test_saved_bytes_count_the_packed_codes(sketch):
     x = torch.randn(256, 64, requires_grad=True)

@@ -288,6 +288,23 @@ def test_expected_variance_edge_cases(data):
     assert expected_variance("rowsample", x, y, K) == pytest.approx((B - K) / K * d2_sgd(x, y))
 
 
+@pytest.mark.parametrize("kind", ["rowsample", "blocksrht"])
+def test_blocksrht_variance_memory_is_rows_times_width(kind):
+    """The block closed form needs O(B (N_in + N_out)) memory, never a N_in x N_out matrix per
+    block: on 1024 rows of 256 x 256, per-block products would allocate 1024 * 256^2 doubles
+    (537 MB) for rowsample, 67 MB for blocksrht; the inputs themselves are 2 MB each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 256, dtype=torch.float64, generator=g)
+    y = torch.randn(1024, 256, dtype=torch.float64, generator=g)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        v = expected_variance(kind, x, y, 100)
+    assert max(e.cpu_memory_usage for e in prof.events()) < 20e6
+    if kind == "rowsample":
+        assert v == pytest.approx((1024 - 100) / 100 * d2_sgd(x, y))
+
+
 # ----------------------------------------------------------------------------------------------
 # The online estimator: unbiased for |X^T Y|^2, the sketch's variance, D2_SGD, D2_RMM and alpha.
 

@@ -205,7 +205,8 @@ def _blocksrht_variance(x: Tensor, y: Tensor, k: int, block: int) -> float:
     xb, yb = x.reshape(-1, block, x.shape[1]), y.reshape(-1, block, y.shape[1])
     px, py = xb.square().sum(-1), yb.square().sum(-1)  # (blocks, block)
     per_row_blk = (px * py).sum(1)
-    xty_blk = torch.bmm(xb.transpose(1, 2), yb).square().sum((1, 2))
+    # |X_blk^T Y_blk|^2 through the b x b Gram matrices: no N_in x N_out matrix per block.
+    xty_blk = (torch.bmm(xb, xb.transpose(1, 2)) * torch.bmm(yb, yb.transpose(1, 2))).sum((1, 2))
     q = (px.sum(1) * py.sum(1) + 2 * (xty_blk - per_row_blk)).sum().item() / block
     xty = (x.T @ y).square().sum().item()
     return _sampling_factor(n_pad, k) * (q - xty / n_pad)
@@ -268,7 +269,7 @@ def quantized_variance(x, y, bits: int, group: int = DEFAULT_GROUP) -> float:
     x, y = torch.as_tensor(x), torch.as_tensor(y)
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
     _, _, row_var = quantize(x2, bits, group, seed=0, variance=True)  # the grid has no seed
-    return float((_sqnorm_rows(y2).double() * row_var.double()).sum())
+    return float((y2.double().square().sum(1) * row_var.double()).sum())
 
 
 def _transform_matrix(sk: Sketch, n: int, device) -> Tensor | None:
