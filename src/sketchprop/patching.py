@@ -294,6 +294,12 @@ class _Default:
     def __repr__(self) -> str:
         return repr(self.value)
 
+    def __eq__(self, other) -> bool:  # equal to its value: signature defaults read as values
+        return self.value == (other.value if isinstance(other, _Default) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
 
 #: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.decoder`).
 MLP = ("stored", "recompute")
