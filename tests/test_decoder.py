@@ -13,9 +13,9 @@ from scipy import stats
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop import activations as act
 from sketchprop import decoder as dec
+from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop.measure import SavedTensorMeter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -372,3 +372,21 @@ def test_each_decoder_part_saves_less():
     sizes["all"] = saved(model, b)
     assert all(sizes[k] < sizes["exact"] for k in off), sizes
     assert sizes["all"] < min(sizes[k] for k in off), sizes
+
+
+def test_decoders_script_quick(tmp_path):
+    """scripts/decoders.py on tiny shapes: every method measured, compact below exact."""
+    import json
+
+    from test_bench_scripts import py, run_script
+
+    run_script(py("decoders.py", "--quick", "--threads", "1", "--time-steps", "1", "--out-dir",
+                  str(tmp_path)), tmp_path)
+    data = json.loads((tmp_path / "decoders_quick.json").read_text())
+    for arch in ("gpt2", "llama"):
+        rows = data["results"][arch]
+        assert list(rows) == ["exact", "compact", "ours+compact", "lora", "lora+ours+compact"]
+        assert rows["compact"]["saved_bytes"] < rows["exact"]["saved_bytes"]
+        assert "chunked loss" in rows["compact"]["by_op"]
+        assert "log-probabilities (loss)" in rows["exact"]["by_op"]
+        assert all(r["step_seconds"] > 0 for r in rows.values())
