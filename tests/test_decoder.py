@@ -172,23 +172,25 @@ def test_grouped_heads_patch_and_train():
 # Exact parts give the unpatched model's gradients.
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family, mlp", [("llama", "recompute"), ("llama", "input"),
+                                         ("gpt2", "recompute")])
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
-def test_exact_parts_give_the_unpatched_gradients(family, checkpointing):
+def test_exact_parts_give_the_unpatched_gradients(family, mlp, checkpointing):
     model = MODELS[family]()
     ref = copy.deepcopy(model)
-    patch_activations(model, gelu_bits=None)
+    patch_activations(model, gelu_bits=None, **({"mlp": mlp} if family == "llama" else {}))
     assert_same(loss_and_grads(model, batch(), checkpointing),
                 loss_and_grads(ref, batch(), checkpointing))
 
 
-@pytest.mark.parametrize("family", MODELS)
-def test_autocast_bf16(family):
+@pytest.mark.parametrize("family, mlp", [("llama", "recompute"), ("llama", "input"),
+                                         ("gpt2", "recompute")])
+def test_autocast_bf16(family, mlp):
     """Under bf16 autocast the patched model computes in the dtypes the unpatched one does: its
     loss and gradients agree to bf16 rounding."""
     model = MODELS[family]()
     ref = copy.deepcopy(model)
-    patch_activations(model, gelu_bits=None)
+    patch_activations(model, gelu_bits=None, **({"mlp": mlp} if family == "llama" else {}))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = loss_and_grads(model, batch()), loss_and_grads(ref, batch())
     torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
@@ -207,22 +209,33 @@ def test_gpt2_with_the_gelu_code_keeps_the_forward():
     assert got.keys() == want.keys() and all(torch.isfinite(g).all() for g in got.values())
 
 
-def test_lora_llama_exact_and_reversible():
-    """peft LoRA on every projection, patch_linear's exact sketch on top: the adapters' gradients
-    are the unpatched model's; both undo."""
+@pytest.mark.parametrize("mlp", ["recompute", "input"])
+def test_lora_llama_exact_and_reversible(mlp):
+    """peft LoRA on every projection, patch_linear's exact sketch on the adapters: their gradients
+    are the unpatched model's; both undo. With ``mlp="input"`` the MLP keeps its input only."""
     config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, init_lora_weights=False,
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                         "up_proj", "down_proj"])
     model = get_peft_model(tiny_llama(), config)
     ref = copy.deepcopy(model)
     types = module_types(model)
-    names = patch_activations(model, gelu_bits=None)
-    patch_linear(model, "exact", rho=1.0)
+    names = patch_activations(model, gelu_bits=None, mlp=mlp)
+    patch_linear(model, "exact", rho=1.0, targets="lora_A")
     assert "base_model.model.lm_head" in names
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    if mlp == "input":  # the check passed: the gate and up outputs are made again from x
+        assert all(vars(m).get(dec._INPUT_CHECKED) is True for m in mlps)
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            loss = model(**batch()).loss
+        assert (3, 12, 32) in shapes and (3, 12, 48) not in shapes  # x kept, not g or u
+        loss.backward()
     unpatch_linear(model)
     assert unpatch_activations(model) == names
-    assert module_types(model) == types and not any("forward" in vars(m) for m in model.modules())
+    assert module_types(model) == types and not any(
+        vars(m).keys() & {"forward", dec._INPUT_CHECKED} for m in model.modules())
 
 
 @pytest.mark.parametrize("family", MODELS)

@@ -10,7 +10,11 @@ backward needs; :func:`sketchprop.patch_activations` applies each part the model
   keeps the gate and up projections' outputs and makes ``silu`` and the product again in backward
   (:class:`SiluProduct`); where ``down`` is a trainable ``nn.Linear``, its input (that product) is
   made again too, for its weight gradient (:class:`GatedDown`). Exact: backward uses PyTorch's own
-  ``silu_backward``.
+  ``silu_backward``. ``mlp="input"`` (:func:`gated_mlp_input_forward`, not the default) keeps
+  the MLP's input only and computes the gate and up projections again in backward, from their
+  weights (``nn.Linear``, ``RandomizedLinear``, peft LoRA layers of those; checked bit for bit on
+  the first call): one activation of the hidden size instead of two of the MLP's width, for two
+  more matmuls per MLP. Exact.
 - **RMSNorm** (``rmsnorm="compact"``, :class:`RMSNormFunction`): keeps its input and one float32
   statistic per row (``1 / rms``); backward makes the normalised input again. Exact. Applied to
   modules named ``*RMSNorm`` that compute ``weight * (x / rms(x))`` (checked on a random input
@@ -45,15 +49,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .activations import DEFAULT_GELU_BITS, DEFAULT_GELU_CODE, CompactGELU, GeluCode, pack_codes, unpack_codes
+from .activations import (
+    DEFAULT_GELU_BITS,
+    DEFAULT_GELU_CODE,
+    CompactGELU,
+    GeluCode,
+    _linear_weights,
+    pack_codes,
+    unpack_codes,
+)
 
 __all__ = [
     "CompactTanhGELU",
     "GatedDown",
+    "GatedFromInput",
     "RMSNormFunction",
     "SiluProduct",
     "chunked_lm_loss",
     "gated_mlp_forward",
+    "gated_mlp_input_forward",
     "gelu_tanh_derivative",
     "is_gated_mlp",
     "is_rms_norm",
@@ -224,10 +238,92 @@ def is_gated_mlp(module: nn.Module) -> bool:
     return _GATED.search(source) is not None
 
 
-def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    """The forward :func:`~sketchprop.patch_activations` gives a SiLU-gated MLP (bound to it):
-    the model's own arithmetic, keeping the gate and up outputs only (module docstring)."""
+_INPUT_CHECKED = "_sketchprop_projections_checked"
+
+
+def _output_value(module: nn.Module, x: Tensor) -> Tensor | None:
+    """``module(x)``'s value computed without calling the module (no seeds drawn, no state
+    touched), for an ``nn.Linear``, a :class:`~sketchprop.layers.RandomizedLinear` (whose output
+    is that ``F.linear``) and a peft LoRA ``Linear`` (plain LoRA, no dropout, not merged) built of
+    those; None for anything else."""
+    pair = _linear_weights(module)
+    if pair is not None:
+        return F.linear(x, *pair)
+    names = ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters")
+    if not all(hasattr(module, n) for n in names) or getattr(module, "merged", True) \
+            or getattr(module, "disable_adapters", True) or getattr(module, "lora_variant", None):
+        return None
+    result = _output_value(module.base_layer, x)
+    if result is None:
+        return None
+    dtype = result.dtype
+    for name in module.active_adapters:
+        if name not in module.lora_A.keys():
+            continue
+        if type(module.lora_dropout[name]) is not nn.Identity:
+            return None
+        xa = module._cast_input_dtype(x, module.lora_A[name].weight.dtype)
+        a = _output_value(module.lora_A[name], xa)
+        b = None if a is None else _output_value(module.lora_B[name], a)
+        if b is None:
+            return None
+        result = result + b * module.scaling[name]
+    return result.to(dtype)
+
+
+class GatedFromInput(torch.autograd.Function):
+    """``silu(g) * u`` for ``g = gate(x)``, ``u = up(x)``, keeping ``x`` only: backward computes
+    ``g`` and ``u`` again from ``x`` (:func:`_output_value`, under the forward's autocast). The
+    gradients reach ``gate`` and ``up`` through the graphs their own forward built."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor, x: Tensor, mlp: nn.Module,
+                autocast: torch.dtype | None) -> Tensor:
+        ctx.mlp, ctx.autocast = mlp, autocast
+        ctx.save_for_backward(x.detach())
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (x,) = ctx.saved_tensors
+        with torch.no_grad(), torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
+                                             enabled=ctx.autocast is not None):
+            g = _output_value(ctx.mlp.gate_proj, x)
+            u = _output_value(ctx.mlp.up_proj, x)
+        dg = torch.ops.aten.silu_backward(dy * u, g) if ctx.needs_input_grad[0] else None
+        du = dy * F.silu(g) if ctx.needs_input_grad[1] else None
+        return dg, du, None, None, None
+
+
+def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor) -> bool:
+    """Whether ``mlp``'s gate and up outputs can be made again from ``x``: checked once per module
+    (one extra projection, the first time), bit for bit; a module that fails keeps g and u."""
+    checked = mlp.__dict__.get(_INPUT_CHECKED)
+    if checked is None:
+        with torch.no_grad():
+            again = [_output_value(mlp.gate_proj, x), _output_value(mlp.up_proj, x)]
+        checked = all(a is not None and torch.equal(a, b) for a, b in zip(again, (g, u),
+                                                                          strict=True))
+        mlp.__dict__[_INPUT_CHECKED] = checked
+    return checked
+
+
+def forget_mlp_check(module: nn.Module) -> None:
+    module.__dict__.pop(_INPUT_CHECKED, None)
+
+
+def gated_mlp_input_forward(self: nn.Module, x: Tensor) -> Tensor:
+    """The forward of ``mlp="input"``: the gated MLP keeps its input only, and backward computes
+    the gate and up projections again (two more matmuls of the MLP's width per token); where they
+    cannot be made again bit for bit, :func:`gated_mlp_forward`'s."""
     g, u = self.gate_proj(x), self.up_proj(x)
+    if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)) \
+            or not _recomputable(self, x, g, u):
+        return _gated_rest(self, g, u)
+    return self.down_proj(GatedFromInput.apply(g, u, x, self, _autocast_dtype(x)))
+
+
+def _gated_rest(self: nn.Module, g: Tensor, u: Tensor) -> Tensor:
     if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
         return self.down_proj(self.act_fn(g) * u)
     down = self.down_proj
@@ -235,6 +331,12 @@ def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
         dtype = _autocast_dtype(g) or torch.promote_types(g.dtype, u.dtype)  # may swap it later
         return GatedDown.apply(g, u, down.weight, down.bias, dtype)
     return down(SiluProduct.apply(g, u))
+
+
+def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
+    """The forward :func:`~sketchprop.patch_activations` gives a SiLU-gated MLP (bound to it):
+    the model's own arithmetic, keeping the gate and up outputs only (module docstring)."""
+    return _gated_rest(self, self.gate_proj(x), self.up_proj(x))
 
 
 # ---------------------------------------------------------------------------------------------

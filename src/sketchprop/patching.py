@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import activations as act
 from .allocation import ALLOCATIONS, VarianceAllocation
-from .decoder import restore_forward
+from .decoder import forget_mlp_check, restore_forward
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
 from .sketches import get_sketch
 from .tracking import select_layers
@@ -302,7 +302,7 @@ class _Default:
 
 
 #: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.decoder`).
-MLP = ("stored", "recompute")
+MLP = ("stored", "recompute", "input")
 RMSNORM = ("stored", "compact")
 LM_LOSS = ("stored", "chunked")
 #: The value that turns each part of :func:`patch_activations` off.
@@ -383,7 +383,9 @@ def patch_activations(
         gelu_code: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, biased).
         mlp: ``"recompute"``: each SiLU-gated MLP (Llama's ``down(silu(gate(x)) * up(x))``)
             keeps the gate and up outputs only (:func:`~sketchprop.decoder.gated_mlp_forward`;
-            exact), or ``"stored"``.
+            exact); ``"input"``: it keeps its input only, and backward computes the gate and up
+            projections again (:func:`~sketchprop.decoder.gated_mlp_input_forward`; exact; two
+            more matmuls per MLP: not the default); or ``"stored"``.
         rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
             row (:class:`~sketchprop.decoder.RMSNormFunction`; exact), or ``"stored"``.
         lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
@@ -463,7 +465,8 @@ def patch_activations(
         applied["gelu_bits"], selected = len(names), selected + len(names)
     for part, on, kind, what, forward in (
             ("mlp", mlp != "stored", dec.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
-             "up_proj, down_proj)", dec.gated_mlp_forward),
+             "up_proj, down_proj)",
+             dec.gated_mlp_input_forward if mlp == "input" else dec.gated_mlp_forward),
             ("rmsnorm", rmsnorm != "stored", dec.is_rms_norm, "Llama-form RMSNorm",
              dec.rms_norm_forward)):
         if on:
@@ -534,6 +537,7 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     _swap(model, state["modules"])
     for module, forward in state["forwards"].values():
         restore_forward(module, forward)
+        forget_mlp_check(module)
     if state["attention"] is not None:
         owner = _attention_owner(model)
         owner.set_attn_implementation(state["attention"])
