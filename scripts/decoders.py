@@ -11,14 +11,18 @@ inputs (transformers shifts them), CPU, SDPA attention as transformers picks it.
 - ``lora``: peft LoRA (r 8, alpha 16, no dropout) on every linear layer of the blocks, the rest
   frozen;
 - ``lora+ours+compact``: the same with ``patch_linear(targets="lora_A")`` (the adapters'
-  down-projections, the only layers that keep inputs) and ``patch_activations(model)``.
+  down-projections, the only layers that keep inputs) and ``patch_activations(model)``;
+- ``...compact(mlp=input)``: ``patch_activations(model, mlp="input")`` in place of the defaults
+  (the gated MLP keeps its input, backward makes the gate and up outputs again).
 
 Saved bytes: ``SavedTensorMeter`` around the forward (unique storages, parameters excluded); by op:
 the graph of the loss walked (``saved_tensors.saved_by_node``), each storage under the first node
 that keeps it, grouped by node type. Time (``--time-steps N``): a warm-up step, then the median of
 N forward+backward steps, each method in the same process; 0 skips timing.
 
-    PYTHONPATH=src python scripts/decoders.py --time-steps 2      # results/bench/decoders.*
+    PYTHONPATH=src python scripts/decoders.py                     # results/bench/decoders.*
+    PYTHONPATH=src python scripts/decoders.py --architectures llama \
+        --methods "exact,compact,compact(mlp=input)" --time-steps 1 --tag _time
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
 """
 
@@ -41,7 +45,8 @@ from saved_tensors import saved_by_node  # noqa: E402
 from sketchprop import patch_activations, patch_linear  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 
-METHODS = ("exact", "compact", "ours+compact", "lora", "lora+ours+compact")
+METHODS = ("exact", "compact", "compact(mlp=input)", "ours+compact", "lora", "lora+ours+compact",
+           "lora+ours+compact(mlp=input)")
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
 
 def configure(model, arch: str, method: str, sketch: str, rho: float):
     """``model`` (a deep copy where LoRA wraps it) set up as ``method`` says."""
-    parts = method.split("+")
+    parts = [p.split("(")[0] for p in method.split("+")]
+    options = dict(kv.split("=") for kv in method.partition("(")[2].rstrip(")").split(",") if kv)
     if "lora" in parts:
         from peft import LoraConfig, get_peft_model
 
@@ -97,7 +103,7 @@ def configure(model, arch: str, method: str, sketch: str, rho: float):
         patch_linear(model, sketch=sketch, rho=rho, **({"targets": "lora_A"} if "lora" in parts
                                                         else {}))
     if "compact" in parts:
-        patch_activations(model)
+        patch_activations(model, **options)
     return model
 
 
@@ -108,7 +114,7 @@ OPS = [("elementwise product", ("MulBackward",)),
        ("log-probabilities (loss)", ("LogSoftmaxBackward", "NllLoss")),
        ("chunked loss", ("_ChunkedCrossEntropy",)),
        ("SiLU input", ("SiluBackward",)),
-       ("gated MLP (g, u)", ("SiluProduct", "GatedDown")),
+       ("gated MLP", ("SiluProduct", "GatedDown", "GatedFromInput")),
        ("RMSNorm", ("RMSNormFunction",)),
        ("attention", ("ScaledDotProduct", "Recomputed", "ProjectedAttention",
                       "SoftmaxBackward")),
@@ -147,6 +153,8 @@ def measure(shape: Shape, batch: int, length: int, methods, sketch: str, rho: fl
     data = {"input_ids": ids, "labels": ids}
     rows = {}
     for method in methods:
+        if "mlp=" in method and shape.arch != "llama":  # GPT-2 has no gated MLP
+            continue
         model = configure(copy.deepcopy(base) if "lora" not in method else base, shape.arch,
                           method, sketch, rho)
         model.train()
@@ -210,6 +218,7 @@ def main(argv=None) -> None:
     p.add_argument("--time-steps", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny shapes and batch: seconds")
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--tag", default="", help="suffix of the output files' names")
     bu.add_threads_arg(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -222,8 +231,8 @@ def main(argv=None) -> None:
                              args.sketch, args.rho, args.time_steps) for arch in archs}
     payload = {"environment": env, "args": vars(args),
                "shapes": {a: asdict(shapes[a]) for a in archs}, "results": results}
-    bu.write_outputs("decoders" + ("_quick" if args.quick else ""), payload, tables(payload),
-                     args.out_dir)
+    bu.write_outputs("decoders" + ("_quick" if args.quick else "") + args.tag, payload,
+                     tables(payload), args.out_dir)
     print(tables(payload))
 
 
