@@ -14,8 +14,8 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from sketchprop import activations as act
+from sketchprop import chunked_lm_loss, patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop import decoder as dec
-from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop.measure import SavedTensorMeter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -283,7 +283,7 @@ def test_chunked_loss_is_transformers_loss(chunk, bias, items):
     kwargs = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     want = ForCausalLMLoss(lin(h), labels, VOCAB, **kwargs)
     want_grads = torch.autograd.grad(want, [h, *lin.parameters()])
-    got = dec.chunked_lm_loss(h, lin.weight, labels, lin.bias, chunk_size=chunk, **kwargs)
+    got = chunked_lm_loss(h, lin.weight, labels, lin.bias, chunk_size=chunk, **kwargs)
     got_grads = torch.autograd.grad(got, [h, *lin.parameters()])
     torch.testing.assert_close(got, want)
     for a, b in zip(got_grads, want_grads, strict=True):
