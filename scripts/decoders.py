@@ -20,7 +20,8 @@ the graph of the loss walked (``saved_tensors.saved_by_node``), each storage und
 that keeps it, grouped by node type. Time (``--time-steps N``): a warm-up step, then the median of
 N forward+backward steps, each method in the same process; 0 skips timing.
 
-    PYTHONPATH=src python scripts/decoders.py                     # results/bench/decoders.*
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --tag _llama   # results/bench/
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --tag _gpt2
     PYTHONPATH=src python scripts/decoders.py --architectures llama \
         --methods "exact,compact,compact(mlp=input)" --time-steps 1 --tag _time
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
