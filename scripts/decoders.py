@@ -20,10 +20,13 @@ the graph of the loss walked (``saved_tensors.saved_by_node``), each storage und
 that keeps it, grouped by node type. Time (``--time-steps N``): a warm-up step, then the median of
 N forward+backward steps, each method in the same process; 0 skips timing.
 
-    PYTHONPATH=src python scripts/decoders.py --architectures llama --tag _llama   # results/bench/
-    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --tag _gpt2
     PYTHONPATH=src python scripts/decoders.py --architectures llama \
-        --methods "exact,compact,compact(mlp=input)" --time-steps 1 --tag _time
+        --methods "exact,compact,compact(mlp=input),ours+compact" --tag _llama   # results/bench/
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 8 \
+        --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=input)" --tag _llama_lora
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 \
+        --methods "exact,compact,compact(mlp=input)" --time-steps 2 --tag _time
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --tag _gpt2
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
 """
 
