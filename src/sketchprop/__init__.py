@@ -5,6 +5,7 @@
 >>> names += patch_activations(model)   # seeded dropout, recomputed attention, few-bit GELU
 """
 
+from .decoder import chunked_lm_loss
 from .layers import RandomizedLinear
 from .patching import (
     find_linear,
@@ -19,6 +20,7 @@ __all__ = [
     "RandomizedLinear",
     "SKETCHES",
     "Sketch",
+    "chunked_lm_loss",
     "find_linear",
     "get_sketch",
     "patch_activations",

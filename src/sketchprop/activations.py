@@ -289,8 +289,21 @@ def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p:
     return probs, keep
 
 
+def _repeat_heads(t: Tensor, heads: int) -> Tensor:
+    """K or V with grouped heads (``num_key_value_heads`` of them) repeated to ``heads``, as
+    transformers' ``repeat_kv`` does: key/value head ``j`` serves query heads ``j g .. j g + g - 1``."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_heads(grad: Tensor, heads: int) -> Tensor:
+    """The gradient of :func:`_repeat_heads`: each group of query heads summed into its head."""
+    return grad if grad.shape[1] == heads else grad.unflatten(1, (heads, -1)).sum(2)
+
+
 def _attend(q, k, v, mask, scaling: float, p: float, seed: int) -> Tensor:
-    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V``."""
+    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V`` (K and V may have fewer,
+    grouped heads)."""
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     probs, keep = _probabilities(q, k, mask, scaling, p, seed)
     if keep is not None:
         probs.mul_(keep).mul_(_drop_threshold(p)[1])
@@ -300,6 +313,8 @@ def _attend(q, k, v, mask, scaling: float, p: float, seed: int) -> Tensor:
 def _attention_grads(dout, q, k, v, mask, scaling: float, p: float,
                      seed: int) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV of :func:`_attend`, its probabilities and dropout mask made again."""
+    kv_heads = k.shape[1]
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     probs, keep = _probabilities(q, k, mask, scaling, p, seed)
     dropped = probs
     dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
@@ -311,7 +326,8 @@ def _attention_grads(dout, q, k, v, mask, scaling: float, p: float,
     # Softmax backward: dS = P * (dP - sum(dP * P)).
     dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scaling)
     dscores = dscores.to(q.dtype)
-    return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-1, -2), q), dv
+    dk = torch.matmul(dscores.transpose(-1, -2), q)
+    return torch.matmul(dscores, k), _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -484,9 +500,14 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     materialised, except when the model asks for them (``output_attentions=True``): then the
     probabilities are computed as eager attention does, returned and kept for backward.
     """
-    if key.shape[1] != query.shape[1]:
-        raise ValueError("recompute_attention needs as many key/value heads as query heads, "
-                         f"got {key.shape[1]} and {query.shape[1]}")
+    if query.shape[1] % key.shape[1] or value.shape[1] != key.shape[1]:
+        raise ValueError("recompute_attention needs the query heads to be a multiple of the "
+                         f"key/value heads, got {query.shape[1]} and {key.shape[1]}/{value.shape[1]}")
+    # It computes plain softmax attention: a soft cap on the scores or attention sinks would be
+    # left out, silently (patch_activations refuses such models before it changes them).
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"recompute_attention does not support {name}; pass attention='stored'")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -582,12 +603,13 @@ class GeluCode:
         return cls(bits, tuple(_G_MIN + i * step for i in range(n)))
 
     @classmethod
-    def fit(cls, x: Tensor, bits: int, iters: int = 100) -> GeluCode:
+    def fit(cls, x: Tensor, bits: int, iters: int = 100, derivative=None) -> GeluCode:
         """The deterministic code minimising ``mean (g(x) - level)^2`` over the sample ``x``
-        (Lloyd-Max: thresholds midway between levels, each level the mean of its cell)."""
+        (Lloyd-Max: thresholds midway between levels, each level the mean of its cell); ``g`` is
+        ``derivative`` (default :func:`gelu_derivative`)."""
         x = x.detach().reshape(-1)
         x = x[:: max(1, x.numel() // 2**20)]  # a strided sample of at most ~2^21 values
-        g = gelu_derivative(x).double().sort().values.cpu()
+        g = (derivative or gelu_derivative)(x).double().sort().values.cpu()
         n = 2**bits
         levels = torch.quantile(g, (torch.arange(n, dtype=torch.float64) + 0.5) / n)
         sums = torch.cat([g.new_zeros(1), g.cumsum(0)])

@@ -1,7 +1,8 @@
 """Module surgery, the one place that does it: :func:`patch_linear` swaps linear layers
 (``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear`,
 :func:`patch_activations` swaps dropout and GELU modules for their compact forms
-(:mod:`sketchprop.activations`) and switches the attention function; each has an inverse.
+(:mod:`sketchprop.activations`), gives gated MLPs, RMSNorms and a causal LM's loss forwards of
+their own (:mod:`sketchprop.decoder`) and switches the attention function; each has an inverse.
 
 Both follow one pattern: select modules by type and by regexes on their qualified names, check
 every argument and every match, build every replacement, and only then change the model
@@ -13,6 +14,7 @@ pretrained loading are unchanged.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -21,14 +23,17 @@ from torch import Tensor, nn
 
 from . import activations as act
 from .allocation import ALLOCATIONS, VarianceAllocation
+from .decoder import forget_mlp_check, restore_forward
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
 from .quantize import DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
 from .tracking import select_layers
 from .variance import VarianceTracker, estimator_design
 
-__all__ = ["DEFAULT_EXCLUDE", "patch_linear", "unpatch_linear", "find_linear",
-           "patch_activations", "unpatch_activations"]
+__all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "RMSNORM", "patch_linear",
+           "unpatch_linear", "find_linear", "patch_activations", "unpatch_activations"]
+
+log = logging.getLogger(__name__)
 
 _HOOKS = "_sketchprop_hooks"
 _CONTEXT = "_sketchprop_context"
@@ -290,96 +295,243 @@ def _attention_owner(model: nn.Module) -> nn.Module:
     return owner
 
 
+class _Default:
+    """A ``patch_activations`` argument left at its default, the recommended value: that part
+    applies where the model has what it replaces, and is left (and said so) where it has not."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __eq__(self, other) -> bool:  # equal to its value: signature defaults read as values
+        return self.value == (other.value if isinstance(other, _Default) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+#: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.decoder`).
+MLP = ("stored", "recompute", "input")
+RMSNORM = ("stored", "compact")
+LM_LOSS = ("stored", "chunked")
+#: The value that turns each part of :func:`patch_activations` off.
+PARTS_OFF = {"dropout": "stored", "attention": "stored", "gelu_bits": None, "layernorm": "stored",
+             "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored"}
+
+
+def _transformers_owner(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside ``model`` (itself, or a peft model's base model), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return None
+    owner = model
+    if not isinstance(owner, PreTrainedModel) and callable(getattr(owner, "get_base_model", None)):
+        owner = owner.get_base_model()
+    return owner if isinstance(owner, PreTrainedModel) else None
+
+
+def _attention_refusal(owner: nn.Module) -> str | None:
+    """Why :func:`~sketchprop.activations.recompute_attention` cannot stand in for ``owner``'s
+    attention (it computes plain softmax attention, K/V heads grouped or not), or None."""
+    config = owner.config
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            return f"{type(owner).__name__} caps its attention scores (config.{name})"
+    if any("sinks" in n for n, _ in owner.named_parameters()):
+        return f"{type(owner).__name__} has attention sinks"
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads",
+                                                                        None)
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        return f"its {heads} query heads are not a multiple of its {kv} key/value heads"
+    return None
+
+
+def _patterns(targets, exclude) -> str:
+    return "" if targets is None and exclude is None else \
+        f" that targets={targets!r} exclude={exclude!r} match"
+
+
 def patch_activations(
     model: nn.Module,
-    dropout: str = "seeded",
-    attention: str = "recompute",
-    gelu_bits: int | None = act.DEFAULT_GELU_BITS,
-    gelu_code: str = act.DEFAULT_GELU_CODE,
-    layernorm: str = "output",
+    dropout: str = _Default("seeded"),
+    attention: str = _Default("recompute"),
+    gelu_bits: int | None = _Default(act.DEFAULT_GELU_BITS),
+    gelu_code: str = _Default(act.DEFAULT_GELU_CODE),
+    layernorm: str = _Default("output"),
+    mlp: str = _Default("recompute"),
+    rmsnorm: str = _Default("compact"),
+    lm_loss: str = _Default("chunked"),
     targets: str | None = None,
     exclude: str | None = None,
 ) -> list[str]:
     """Make what ``model`` saves for backward besides its linear inputs compact, in place.
 
-    Called with no options it applies the recommended set (:mod:`sketchprop.activations` says
-    what each part keeps and why the defaults are what they are). Composes with
-    :func:`patch_linear`, in either order.
+    Called with no options it applies each part of the recommended set that the model has, and
+    tells what it applied and what it left: the returned names, and one line logged (INFO, logger
+    ``sketchprop.patching``). It raises only when nothing at all applies. A part given explicitly
+    raises when the model has nothing it applies to, with the option to change in the message.
+    (:mod:`sketchprop.activations` and :mod:`sketchprop.decoder` say what each part keeps and why
+    the defaults are what they are.) Composes with :func:`patch_linear`, in either order, and
+    with peft adapters.
 
     Args:
-        model: a transformers model of the BERT / RoBERTa families, or (without the attention
-            part) any ``nn.Module``.
+        model: any ``nn.Module``; attention and the loss need a transformers model (or a peft
+            model around one).
         dropout: ``"seeded"`` (:class:`~sketchprop.activations.SeededDropout` in place of each
             ``nn.Dropout``: the mask is made again from a saved seed), ``"packed"`` (the mask is
             kept at one bit per element) or ``"stored"`` (left as it is). Exact.
         attention: ``"recompute"`` (the model's attention function becomes
             :func:`~sketchprop.activations.recompute_attention`: the probabilities and their
             dropout mask are recomputed in backward, and Q, K, V too, from the self-attention
-            block's input, where its projections are linear layers; exact) or ``"stored"``.
+            block's input, where its projections are linear layers of BERT's naming; grouped
+            key/value heads are kept unrepeated; exact) or ``"stored"``.
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
-            (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module), or
-            None to leave GELU as it is.
+            (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
+            :class:`~sketchprop.decoder.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
+            ``gelu_new``), or None to leave GELU as it is.
         gelu_code: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, biased).
         layernorm: ``"output"`` (:class:`~sketchprop.activations.OutputLayerNorm` in place of each
             ``nn.LayerNorm``: backward works from the output, which the next block keeps anyway
             in a post-LN encoder, and per-row statistics, not from the input; exact to float32
-            rounding) or ``"stored"``. A model without ``nn.LayerNorm`` is left as it is.
-        targets / exclude: regexes on qualified module names selecting the dropout, GELU and
-            LayerNorm modules, as in :func:`patch_linear`.
+            rounding) or ``"stored"``.
+        mlp: ``"recompute"``: each SiLU-gated MLP (Llama's ``down(silu(gate(x)) * up(x))``)
+            keeps the gate and up outputs only (:func:`~sketchprop.decoder.gated_mlp_forward`;
+            exact); ``"input"``: it keeps its input only, and backward computes the gate and up
+            projections again (:func:`~sketchprop.decoder.gated_mlp_input_forward`; exact; two
+            more matmuls per MLP: not the default); or ``"stored"``.
+        rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
+            row (:class:`~sketchprop.decoder.RMSNormFunction`; exact), or ``"stored"``.
+        lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
+            tokens, the logits made again in backward (:func:`~sketchprop.decoder.chunked_lm_loss`;
+            exact; ``logits`` is None in the output while it trains with labels), or ``"stored"``.
+        targets / exclude: regexes on qualified module names selecting the dropout, GELU,
+            LayerNorm, MLP and RMSNorm modules, as in :func:`patch_linear`.
 
     Returns:
-        The qualified names of the replaced modules, in module order. The attention switch is not
-        a module: it shows in ``model.config._attn_implementation``, which ``save_pretrained``
+        The qualified names of the modules replaced (dropout, GELU) or given a forward of their
+        own (MLP, RMSNorm; the output layer for the loss), in module order. The attention switch is
+        not a module: it shows in ``model.config._attn_implementation``, which ``save_pretrained``
         does not store, so a model saved while patched loads as the plain model.
 
     Raises:
-        ValueError: an unknown value; every part off; a model already patched; a part whose
-            modules the patterns do not match (no ``nn.Dropout``, no exact GELU); attention on a
-            model that cannot switch its attention function. Nothing is changed when it raises.
+        ValueError: an unknown value; every part off; a model already patched; an option given
+            explicitly whose part the model lacks (or the patterns do not match); patterns that
+            match no module of any part; nothing to apply. Nothing is changed when it raises.
     """
-    if dropout not in act.DROPOUT:
-        raise ValueError(f"unknown dropout {dropout!r}; choose one of {list(act.DROPOUT)}")
-    if attention not in act.ATTENTION:
-        raise ValueError(f"unknown attention {attention!r}; choose one of {list(act.ATTENTION)}")
-    if layernorm not in act.LAYERNORM:
-        raise ValueError(f"unknown layernorm {layernorm!r}; choose one of {list(act.LAYERNORM)}")
+    from . import decoder as dec
+
+    options = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
+               "gelu_code": gelu_code, "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm,
+               "lm_loss": lm_loss}
+    given = {k: not isinstance(v, _Default) for k, v in options.items()}
+    dropout, attention, gelu_bits, gelu_code, layernorm, mlp, rmsnorm, lm_loss = (
+        v.value if isinstance(v, _Default) else v for v in options.values())
+    for name, value, allowed in (("dropout", dropout, act.DROPOUT),
+                                 ("attention", attention, act.ATTENTION),
+                                 ("layernorm", layernorm, act.LAYERNORM), ("mlp", mlp, MLP),
+                                 ("rmsnorm", rmsnorm, RMSNORM), ("lm_loss", lm_loss, LM_LOSS)):
+        if value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {list(allowed)}")
     if gelu_bits is not None:
         act.CompactGELU(gelu_bits, gelu_code)  # raises for bad bits or code
-    if dropout == "stored" and attention == "stored" and gelu_bits is None \
-            and layernorm == "stored":
-        raise ValueError("dropout='stored', attention='stored', gelu_bits=None and "
-                         "layernorm='stored': nothing to patch")
+    values = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
+              "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm, "lm_loss": lm_loss}
+    if all(values[k] == off for k, off in PARTS_OFF.items()):
+        raise ValueError(", ".join(f"{k}={v!r}" for k, v in PARTS_OFF.items())
+                         + ": nothing to patch")
     if getattr(model, _ACTIVATIONS, None) is not None:
         raise ValueError("model's activations are already patched; call unpatch_activations(model) "
                          "first")
-    new: dict[str, nn.Module] = {}
-    if dropout != "stored":
-        names = _select(model, _is_dropout, targets, exclude)
+    where = _patterns(targets, exclude)
+    applied: dict[str, int] = {}
+    left: dict[str, str] = {}
+
+    def leave(part: str, reason: str) -> None:
+        """A part that does not apply: an error where the caller asked for it, else a note."""
+        if given[part]:
+            raise ValueError(f"{part}={values[part]!r}: {reason}; pass {part}={PARTS_OFF[part]!r} "
+                             "to leave it as it is")
+        left[part] = reason
+
+    def select(part: str, kind, what: str) -> list[str]:
+        names = _select(model, kind, targets, exclude)
         if not names:
-            raise _no_match("nn.Dropout", targets, exclude, model, _is_dropout,
-                            "patch_activations")
+            count = sum(kind(m) for m in model.modules())
+            leave(part, f"the model has no {what}{where}" if not count or not where else
+                  f"targets={targets!r} exclude={exclude!r} match none of the model's {count} "
+                  f"{what}")
+        return names
+
+    new: dict[str, nn.Module] = {}
+    forwards: dict[str, tuple[nn.Module, Callable]] = {}
+    selected = 0
+    if dropout != "stored":
+        names = select("dropout", _is_dropout, "nn.Dropout")
         kind = act.SeededDropout if dropout == "seeded" else act.PackedDropout
         new.update({n: kind.from_dropout(model.get_submodule(n)) for n in names})
+        applied["dropout"], selected = len(names), selected + len(names)
     if gelu_bits is not None:
-        names = _select(model, act.is_exact_gelu, targets, exclude)
-        if not names:
-            raise _no_match("exact GELU module (nn.GELU() or transformers' GELUActivation)",
-                            targets, exclude, model, act.is_exact_gelu, "patch_activations")
+        names = select("gelu_bits", lambda m: act.is_exact_gelu(m) or dec.is_tanh_gelu(m),
+                       "GELU module (nn.GELU, transformers' gelu, gelu_new or gelu_pytorch_tanh)")
         for n in names:
-            new[n] = act.CompactGELU(gelu_bits, gelu_code, name=n).train(
-                model.get_submodule(n).training)
+            kind = dec.CompactTanhGELU if dec.is_tanh_gelu(model.get_submodule(n)) \
+                else act.CompactGELU
+            new[n] = kind(gelu_bits, gelu_code, name=n).train(model.get_submodule(n).training)
+        applied["gelu_bits"], selected = len(names), selected + len(names)
     if layernorm == "output":
-        new.update({n: act.OutputLayerNorm.from_layernorm(model.get_submodule(n))
-                    for n in _select(model, act.is_layernorm, targets, exclude)})
+        names = select("layernorm", act.is_layernorm, "nn.LayerNorm")
+        new.update({n: act.OutputLayerNorm.from_layernorm(model.get_submodule(n)) for n in names})
+        applied["layernorm"], selected = len(names), selected + len(names)
+    for part, on, kind, what, forward in (
+            ("mlp", mlp != "stored", dec.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
+             "up_proj, down_proj)",
+             dec.gated_mlp_input_forward if mlp == "input" else dec.gated_mlp_forward),
+            ("rmsnorm", rmsnorm != "stored", dec.is_rms_norm, "Llama-form RMSNorm",
+             dec.rms_norm_forward)):
+        if on:
+            names = select(part, kind, what)
+            forwards.update({n: (model.get_submodule(n), dec.bound(forward, model.get_submodule(n)))
+                             for n in names})
+            applied[part], selected = len(names), selected + len(names)
+    if where and not selected:
+        raise ValueError(f"targets={targets!r} exclude={exclude!r} match no module that "
+                         "patch_activations replaces (dropout, GELU, LayerNorm, gated MLP, "
+                         "RMSNorm)")
+    owner = _transformers_owner(model)
+    if lm_loss != "stored":
+        reason = "not a transformers model" if owner is None else dec.lm_loss_refusal(owner)
+        if reason is not None:
+            leave("lm_loss", reason)
+        else:
+            head = owner.get_output_embeddings()
+            name = next(n for n, m in model.named_modules() if m is head)
+            forwards[name] = (owner, dec.LMLossForward(owner))
+            applied["lm_loss"] = 1
     if attention == "recompute":
-        owner = _attention_owner(model)
+        try:
+            reason = _attention_refusal(_attention_owner(model))
+        except ValueError as err:
+            if given["attention"]:
+                raise
+            reason = str(err).split("; pass attention=")[0]
+        if reason is not None:
+            leave("attention", reason)
+        else:
+            applied["attention"] = 1
+    if not applied or not any(applied.values()):
+        raise ValueError("nothing to patch: " + "; ".join(f"{k}: {v}" for k, v in left.items()))
 
-    if not new and attention == "stored":
-        raise ValueError(f"targets={targets!r} exclude={exclude!r} match no module of the parts "
-                         "asked for: nothing to patch")
-    new = {n: new[n] for n, _ in model.named_modules() if n in new}  # module order
-    state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None}
-    if attention == "recompute":
+    order = [n for n, _ in model.named_modules()]
+    new = {n: new[n] for n in order if n in new}
+    state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None,
+             "forwards": forwards, "names": sorted([*new, *forwards], key=order.index)}
+    for module, forward in forwards.values():
+        dec.override_forward(module, forward)
+    if applied.get("attention"):
+        owner = _attention_owner(model)
         state["attention"] = owner.config._attn_implementation
         owner.set_attn_implementation(act.register_attention())
         # Self-attention modules hand their input to the attention function, which keeps it in
@@ -390,18 +542,27 @@ def patch_activations(
                          m.register_forward_hook(act.drop_attention_input, with_kwargs=True,
                                                  always_call=True))]
     setattr(model, _ACTIVATIONS, state)
-    return _swap(model, new)
+    _swap(model, new)
+    log.info("patch_activations(%s): applied %s; left %s", type(model).__name__,
+             ", ".join(f"{k}={values[k]!r} ({n} module{'s' * (n != 1)})" if k != "attention"
+                       else f"attention={attention!r}" for k, n in applied.items() if n) or "none",
+             "; ".join(f"{k} ({v})" for k, v in left.items()) or "nothing")
+    return state["names"]
 
 
 def unpatch_activations(model: nn.Module) -> list[str]:
     """Undo :func:`patch_activations`: the original dropout and GELU modules back in place, the
-    previous attention function back on. Returns the names of the modules put back."""
+    modules' own forwards back, the previous attention function back on. Returns the names
+    :func:`patch_activations` returned."""
     state = getattr(model, _ACTIVATIONS, None)
     if state is None:
         return []
     for name, original in state["modules"].items():  # the mode the model has now, not at patching
         original.train(model.get_submodule(name).training)
-    names = _swap(model, state["modules"])
+    _swap(model, state["modules"])
+    for module, forward in state["forwards"].values():
+        restore_forward(module, forward)
+        forget_mlp_check(module)
     if state["attention"] is not None:
         owner = _attention_owner(model)
         owner.set_attn_implementation(state["attention"])
@@ -410,4 +571,4 @@ def unpatch_activations(model: nn.Module) -> list[str]:
         for m in owner.modules():
             act.forget_attention_check(m)
     delattr(model, _ACTIVATIONS)
-    return names
+    return state["names"]

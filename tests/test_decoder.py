@@ -1,0 +1,407 @@
+"""patch_activations on decoder language models (GPT-2, Llama with grouped K/V heads): defaults
+that fit the model, errors that name the option, the decoder parts (sketchprop.decoder) exact
+against the unpatched model (checkpointing, autocast, LoRA), unbiased where coded, reversible."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers as tf
+from peft import LoraConfig, get_peft_model
+from scipy import stats
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from sketchprop import activations as act
+from sketchprop import chunked_lm_loss, patch_activations, patch_linear, unpatch_activations, unpatch_linear
+from sketchprop import decoder as dec
+from sketchprop.measure import SavedTensorMeter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FALSE_ALARM = 1e-4
+VOCAB = 96
+
+
+def tiny_llama(layers=2, seed=0, kv_heads=2):
+    """Llama with grouped-query attention: 4 query heads, ``kv_heads`` key/value heads."""
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def tiny_gpt2(layers=2, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    return tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=2, bos_token_id=1,
+        eos_token_id=2, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def tiny_bert():
+    torch.manual_seed(0)
+    return tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=40, num_labels=2))
+
+
+MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def batch(n=3, length=12):
+    """Right-padded token ids, padding labelled -100, as HF's collators make them."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (n, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, length * 2 // 3:] = 0
+    mask[2, length // 2:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def loss_and_grads(model, b, checkpointing=None):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    torch.manual_seed(0)
+    loss = model(**b).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-6):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=rtol, atol=atol)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=rtol, atol=atol, msg=name)
+
+
+def module_types(model):
+    return {n: type(m) for n, m in model.named_modules()}
+
+
+def untouched(model, types, impl):
+    return (module_types(model) == types and model.config._attn_implementation == impl
+            and not hasattr(model, "_sketchprop_activations")
+            and not any("forward" in vars(m) for m in model.modules()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults that fit the model; errors that name the option.
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_defaults_apply_what_the_model_has_and_say_what_they_left(family, caplog):
+    model = MODELS[family]()
+    with caplog.at_level(logging.INFO, logger="sketchprop.patching"):
+        names = patch_activations(model)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sketchprop.patching"]
+    assert len(lines) == 1 and "applied" in lines[0] and "left" in lines[0]
+    assert "lm_head" in names and model.config._attn_implementation == act.ATTENTION_NAME
+    if family == "llama":
+        assert [n for n in names if n.endswith("mlp")] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+        assert sum(n.endswith("norm") for n in names) == 5  # 2 per layer and the final one
+        assert "left dropout" in lines[0] and "gelu_bits" in lines[0]
+    else:
+        assert sum(isinstance(model.get_submodule(n), dec.CompactTanhGELU) for n in names) == 2
+        assert sum(isinstance(model.get_submodule(n), act.SeededDropout) for n in names) == 7
+        assert "mlp" in lines[0].split("left")[1] and "rmsnorm" in lines[0].split("left")[1]
+    model(**batch()).loss.backward()  # trains
+
+
+@pytest.mark.parametrize("family, kwargs, option", [
+    ("llama", {"dropout": "seeded"}, "dropout='stored'"),
+    ("llama", {"dropout": "packed"}, "dropout='stored'"),
+    ("llama", {"gelu_bits": 2}, "gelu_bits=None"),
+    ("gpt2", {"mlp": "recompute"}, "mlp='stored'"),
+    ("gpt2", {"rmsnorm": "compact"}, "rmsnorm='stored'"),
+    ("bert", {"lm_loss": "chunked"}, "lm_loss='stored'"),
+    ("llama", {"targets": "nothing"}, "targets='nothing'"),
+    ("llama", {"targets": "nothing", "mlp": "recompute"}, "mlp='stored'"),
+])
+def test_an_explicit_option_that_matches_nothing_raises_naming_it(family, kwargs, option):
+    model = tiny_bert() if family == "bert" else MODELS[family]()
+    types, impl = module_types(model), model.config._attn_implementation
+    with pytest.raises(ValueError, match=option) as err:
+        patch_activations(model, **kwargs)
+    assert "Linear" not in str(err.value)  # names the option, not unrelated modules
+    assert untouched(model, types, impl)
+
+
+def test_nothing_applies_raises():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="nothing to patch") as err:
+        patch_activations(model)
+    assert "dropout" in str(err.value) and "attention" in str(err.value)
+    assert "forward" not in vars(model[0])
+
+
+def test_attention_checked_before_any_change():
+    """A model whose attention recompute_attention cannot stand for (scores capped: Gemma 2) is
+    refused before anything changes when attention is asked for, and left by the defaults."""
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0))
+    types, impl = module_types(model), model.config._attn_implementation
+    with pytest.raises(ValueError, match="attention='stored'"):
+        patch_activations(model, attention="recompute")
+    assert untouched(model, types, impl)
+    patch_activations(model)
+    assert model.config._attn_implementation == impl  # attention and the loss left as they are
+    assert "forward" not in vars(model)
+
+
+def test_grouped_heads_patch_and_train():
+    """The call that trained a Llama before the decoder parts; its first forward raised (after
+    patching) while grouped K/V heads were not supported."""
+    model = tiny_llama(kv_heads=1)
+    ref = copy.deepcopy(model)
+    patch_activations(model, dropout="stored", gelu_bits=None)
+    assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact parts give the unpatched model's gradients.
+
+
+@pytest.mark.parametrize("family, mlp", [("llama", "recompute"), ("llama", "input"),
+                                         ("gpt2", "recompute")])
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_exact_parts_give_the_unpatched_gradients(family, mlp, checkpointing):
+    model = MODELS[family]()
+    ref = copy.deepcopy(model)
+    patch_activations(model, gelu_bits=None, **({"mlp": mlp} if family == "llama" else {}))
+    assert_same(loss_and_grads(model, batch(), checkpointing),
+                loss_and_grads(ref, batch(), checkpointing))
+
+
+@pytest.mark.parametrize("family, mlp", [("llama", "recompute"), ("llama", "input"),
+                                         ("gpt2", "recompute")])
+def test_autocast_bf16(family, mlp):
+    """Under bf16 autocast the patched model computes in the dtypes the unpatched one does: its
+    loss and gradients agree to bf16 rounding."""
+    model = MODELS[family]()
+    ref = copy.deepcopy(model)
+    patch_activations(model, gelu_bits=None, **({"mlp": mlp} if family == "llama" else {}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = loss_and_grads(model, batch()), loss_and_grads(ref, batch())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    for name, g in want[1].items():
+        err = (got[1][name] - g).norm() / g.norm()
+        assert err < 0.05, (name, err.item())
+
+
+def test_gpt2_with_the_gelu_code_keeps_the_forward():
+    """The coded GELU changes backward only (its unbiasedness: the tests of the pieces below)."""
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    patch_activations(model)
+    (loss, got), (want_loss, want) = loss_and_grads(model, batch()), loss_and_grads(ref, batch())
+    torch.testing.assert_close(loss, want_loss)
+    assert got.keys() == want.keys() and all(torch.isfinite(g).all() for g in got.values())
+
+
+@pytest.mark.parametrize("mlp", ["recompute", "input"])
+def test_lora_llama_exact_and_reversible(mlp):
+    """peft LoRA on every projection, patch_linear's exact sketch on the adapters: their gradients
+    are the unpatched model's; both undo. With ``mlp="input"`` the MLP keeps its input only."""
+    config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "up_proj", "down_proj"])
+    model = get_peft_model(tiny_llama(), config)
+    ref = copy.deepcopy(model)
+    types = module_types(model)
+    names = patch_activations(model, gelu_bits=None, mlp=mlp)
+    patch_linear(model, "exact", rho=1.0, targets="lora_A")
+    assert "base_model.model.lm_head" in names
+    assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    if mlp == "input":  # the check passed: the gate and up outputs are made again from x
+        assert all(vars(m).get(dec._INPUT_CHECKED) is True for m in mlps)
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            loss = model(**batch()).loss
+        assert (3, 12, 32) in shapes and (3, 12, 48) not in shapes  # x kept, not g or u
+        loss.backward()
+    unpatch_linear(model)
+    assert unpatch_activations(model) == names
+    assert module_types(model) == types and not any(
+        vars(m).keys() & {"forward", dec._INPUT_CHECKED} for m in model.modules())
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_round_trip(family):
+    model = MODELS[family]()
+    b = batch()
+    types, keys = module_types(model), list(model.state_dict())
+    impl = model.config._attn_implementation
+    before = loss_and_grads(model, b)
+    names = patch_activations(model)
+    assert list(model.state_dict()) == keys
+    loss_and_grads(model, b)
+    assert unpatch_activations(model) == names
+    assert untouched(model, types, impl)
+    after = loss_and_grads(model, b)
+    assert torch.equal(before[0], after[0])
+    assert all(torch.equal(before[1][n], after[1][n]) for n in before[1])
+    assert patch_activations(model) == names  # patchable again
+
+
+def test_deepcopy_of_a_patched_model_computes_with_its_own_modules():
+    model = tiny_llama()
+    patch_activations(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    assert not torch.equal(loss_and_grads(twin, batch())[0], loss_and_grads(model, batch())[0])
+    assert vars(twin)["forward"].owner is twin
+    assert vars(twin.model.norm)["forward"].__self__ is twin.model.norm
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces.
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 1000])
+@pytest.mark.parametrize("bias, items", [(False, None), (True, None), (False, 17)])
+def test_chunked_loss_is_transformers_loss(chunk, bias, items):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 10, 16, generator=g, requires_grad=True)
+    lin = nn.Linear(16, VOCAB, bias=bias)
+    labels = torch.randint(0, VOCAB, (3, 10), generator=g)
+    labels[0, :4] = -100
+    kwargs = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    want = ForCausalLMLoss(lin(h), labels, VOCAB, **kwargs)
+    want_grads = torch.autograd.grad(want, [h, *lin.parameters()])
+    got = chunked_lm_loss(h, lin.weight, labels, lin.bias, chunk_size=chunk, **kwargs)
+    got_grads = torch.autograd.grad(got, [h, *lin.parameters()])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunked_loss_never_keeps_logits():
+    """Backward keeps the hidden states and one log-sum-exp per token: nothing of the
+    vocabulary's size per token."""
+    h = torch.randn(4, 50, 16, requires_grad=True)
+    w = torch.randn(VOCAB * 10, 16, requires_grad=True)
+    labels = torch.randint(0, VOCAB * 10, (4, 50))
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                  lambda t: t):
+        loss = dec.chunked_lm_loss(h, w, labels)
+    loss.backward()
+    assert shapes and all(VOCAB * 10 not in s[:1] and (len(s) < 2 or s[-1] != VOCAB * 10)
+                          or s == tuple(w.shape) for s in shapes)
+
+
+def test_tanh_gelu_derivative_and_range():
+    x = torch.linspace(-6, 6, 10001, dtype=torch.float64).requires_grad_(True)
+    (want,) = torch.autograd.grad(nn.functional.gelu(x, approximate="tanh").sum(), x)
+    torch.testing.assert_close(dec.gelu_tanh_derivative(x), want.float())
+    assert dec._TANH_G_MIN < want.min().item() < dec._TANH_G_MIN + 1e-5
+    assert dec._TANH_G_MAX - 1e-5 < want.max().item() < dec._TANH_G_MAX
+    assert dec.is_tanh_gelu(tf.activations.NewGELUActivation())
+    assert not dec.is_tanh_gelu(nn.GELU()) and not act.is_exact_gelu(nn.GELU("tanh"))
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_stochastic_tanh_gelu_code_is_unbiased(bits):
+    """As for the erf form: the chi^2 of the mean of N draws of dX against the tanh form's own
+    derivative, and power against a tenth of a step of bias."""
+    x = torch.linspace(-3, 3, 100)
+    module = dec.CompactTanhGELU(bits)
+    code = module.fitted
+    step = code.levels[1] - code.levels[0]
+    g = dec.gelu_tanh_derivative(x).double()
+    frac = ((g - code.levels[0]) / step) % 1
+    var = step**2 * frac * (1 - frac)
+    use = (frac > 0.05) & (frac < 0.95)
+    n = 4000
+    xx = x.expand(n, -1).clone().requires_grad_(True)
+    y = module(xx)
+    torch.testing.assert_close(y, nn.functional.gelu(xx, approximate="tanh"), rtol=0, atol=0)
+    y.backward(torch.ones_like(y))
+    mean = xx.grad.double().mean(0)
+    bound = stats.chi2.isf(FALSE_ALARM, int(use.sum()))
+
+    def chi2(target):
+        return ((mean - target)[use].square() / (var[use] / n)).sum().item()
+
+    assert chi2(g) < bound
+    assert chi2(g + 0.1 * step) > bound
+
+
+def test_optimal_tanh_gelu_code_is_fit_on_its_own_derivative():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    module = dec.CompactTanhGELU(2, "optimal")
+    module(x)
+    want = act.GeluCode.fit(x, 2, derivative=dec.gelu_tanh_derivative)
+    assert module.fitted == want and want != act.GeluCode.fit(x, 2)
+
+
+def test_rms_norm_check_tells_the_forms_apart():
+    llama = tiny_llama(layers=1)
+    assert dec.is_rms_norm(llama.model.norm)
+    gemma = tf.models.gemma.modeling_gemma.GemmaRMSNorm(32)  # weight * (1 + w): not this form
+    assert not dec.is_rms_norm(gemma)
+    assert dec.is_gated_mlp(llama.model.layers[0].mlp)
+    assert not dec.is_gated_mlp(tiny_gpt2(layers=1).transformer.h[0].mlp)
+
+
+# ---------------------------------------------------------------------------------------------
+# What backward keeps.
+
+
+def saved(model, b):
+    torch.manual_seed(0)
+    with SavedTensorMeter(model) as meter:
+        loss = model(**b).loss
+    loss.backward()
+    return meter.bytes
+
+
+def test_each_decoder_part_saves_less():
+    b = batch(n=4, length=24)
+    off = {"attention": "stored", "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored"}
+    sizes = {"exact": saved(tiny_llama(), b)}
+    for part in off:
+        model = tiny_llama()
+        patch_activations(model, **{**off, part: {"attention": "recompute", "mlp": "recompute",
+                                                  "rmsnorm": "compact", "lm_loss": "chunked"}[part]})
+        sizes[part] = saved(model, b)
+    model = tiny_llama()
+    patch_activations(model)
+    sizes["all"] = saved(model, b)
+    assert all(sizes[k] < sizes["exact"] for k in off), sizes
+    assert sizes["all"] < min(sizes[k] for k in off), sizes
+
+
+def test_decoders_script_quick(tmp_path):
+    """scripts/decoders.py on tiny shapes: every method measured, compact below exact."""
+    import json
+
+    from test_bench_scripts import py, run_script
+
+    run_script(py("decoders.py", "--quick", "--threads", "1", "--time-steps", "1", "--out-dir",
+                  str(tmp_path)), tmp_path)
+    data = json.loads((tmp_path / "decoders_quick.json").read_text())
+    for arch in ("gpt2", "llama"):
+        rows = data["results"][arch]
+        want = ["exact", "compact", "compact(mlp=input)", "ours+compact", "lora",
+                "lora+ours+compact", "lora+ours+compact(mlp=input)"]
+        assert list(rows) == [m for m in want if arch == "llama" or "mlp=" not in m]
+        assert rows["compact"]["saved_bytes"] < rows["exact"]["saved_bytes"]
+        assert "chunked loss" in rows["compact"]["by_op"]
+        assert "log-probabilities (loss)" in rows["exact"]["by_op"]
+        assert all(r["step_seconds"] > 0 for r in rows.values())
