@@ -20,6 +20,8 @@ Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``
 - ``ours-gaussian``: the dense Gaussian sketch in our scheme (separates sketch and scheme gains);
   likewise ``ours-<name>`` for any sketch, e.g. ``ours-importance``, and ``ours-<name>+alloc``
   with rows allocated by variance (``allocate="variance"``).
+- ``int8``, ``int4``, ``int2``: ``exact-skip`` with the stored rows kept as 8-, 4- or 2-bit codes
+  (``patch_linear(bits=b)``, as the pipeline's ``method=exact method.bits=b``).
 - ``ckpt+ours``: checkpointing and our randomized layers together.
 - ``ours-noshare`` / ``ours-noskip``: ablations (saved bytes only; add them to ``--methods``).
 - ``<method>+compact``: the method, then ``patch_activations(model)`` (seeded dropout masks,
@@ -211,6 +213,12 @@ def method_list(args) -> list[dict]:
         if m == "exact-skip":  # no sketch, but padding rows left out of the stored X and of dW
             out.append({"name": name, "method": name, "ckpt": False, "rho": None,
                         "patch": dict(sketch="exact", rho=1.0, exclude="classifier"),
+                        "activations": acts})
+            continue
+        if m in ("int8", "int4", "int2"):  # exact-skip with its stored X as b-bit codes
+            out.append({"name": name, "method": name, "ckpt": False, "rho": None,
+                        "patch": dict(sketch="exact", rho=1.0, exclude="classifier",
+                                      bits=int(m[3:])),
                         "activations": acts})
             continue
         for rho in args.rho_list:
