@@ -53,6 +53,7 @@ either (``tests/test_budget.py`` checks this on a small model).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import json
@@ -277,10 +278,23 @@ def to_device(batch, dev):
     return {k: v.to(dev) for k, v in batch.items()}
 
 
+# ``--autocast bf16``: every forward pass runs under ``torch.autocast`` in bfloat16 (set by main).
+AUTOCAST = {"none": None, "bf16": torch.bfloat16}
+_amp_dtype: torch.dtype | None = None
+
+
+def amp(model):
+    """The ``--autocast`` context for a forward pass of ``model`` (a no-op without it)."""
+    if _amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=_amp_dtype)
+
+
 def make_step(model, batch, opt):
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
+        with amp(model):
+            loss = model(**batch).loss
         loss.backward()
         opt.step()
     return step
@@ -293,7 +307,7 @@ def saved_bytes(model, batch, method) -> int:
     a graph that is never backpropagated would keep what the meter's hooks saw alive)."""
     model.zero_grad(set_to_none=True)
     with Configured(model, method):
-        with SavedTensorMeter(model) as meter:
+        with SavedTensorMeter(model) as meter, amp(model):
             loss = model(**batch).loss
         loss.backward()
     model.zero_grad(set_to_none=True)
@@ -324,7 +338,7 @@ def analytic_split(model, batch, exclude: str | None = "classifier") -> dict:
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp(model):
             loss = model(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -412,7 +426,7 @@ def memory_in_subprocess(model_name, method, args) -> dict:
            "--seq", str(args.seq), "--task", args.task]
     if args.glue_dir:
         cmd += ["--glue-dir", args.glue_dir]
-    cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads), "--autocast", args.autocast]
     if args.quick:
         cmd.append("--quick")
     return run_memory_child(cmd, method["name"])
@@ -594,6 +608,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=3, help="methods between baseline steps")
     bu.add_threads_arg(p)
+    p.add_argument("--autocast", default="none", choices=sorted(AUTOCAST),
+                   help="forward passes under torch.autocast in this dtype (default: none)")
     p.add_argument("--quick", action="store_true", help="tiny models and batch: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -602,6 +618,8 @@ def main(argv=None) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global _amp_dtype
+    _amp_dtype = AUTOCAST[args.autocast]
     if args.retable:
         path = Path(args.retable)
         payload = json.loads(path.read_text())
