@@ -20,6 +20,8 @@ Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``
 - ``ours-gaussian``: the dense Gaussian sketch in our scheme (separates sketch and scheme gains);
   likewise ``ours-<name>`` for any sketch, e.g. ``ours-importance``, and ``ours-<name>+alloc``
   with rows allocated by variance (``allocate="variance"``).
+- ``int8``, ``int4``, ``int2``: ``exact-skip`` with the stored rows kept as 8-, 4- or 2-bit codes
+  (``patch_linear(bits=b)``, as the pipeline's ``method=exact method.bits=b``).
 - ``ckpt+ours``: checkpointing and our randomized layers together.
 - ``ours-noshare`` / ``ours-noskip``: ablations (saved bytes only; add them to ``--methods``).
 - ``<method>+compact``: the method, then ``patch_activations(model)`` (seeded dropout masks,
@@ -53,6 +55,7 @@ either (``tests/test_budget.py`` checks this on a small model).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import json
@@ -217,6 +220,12 @@ def method_list(args) -> list[dict]:
                         "patch": dict(sketch="exact", rho=1.0, exclude="classifier"),
                         "activations": acts})
             continue
+        if m in ("int8", "int4", "int2"):  # exact-skip with its stored X as b-bit codes
+            out.append({"name": name, "method": name, "ckpt": False, "rho": None,
+                        "patch": dict(sketch="exact", rho=1.0, exclude="classifier",
+                                      bits=int(m[3:])),
+                        "activations": acts})
+            continue
         for rho in args.rho_list:
             base = {"rho": rho, "ckpt": m.startswith("ckpt+"), "activations": acts}
             kind = m.removeprefix("ckpt+")
@@ -273,10 +282,23 @@ def to_device(batch, dev):
     return {k: v.to(dev) for k, v in batch.items()}
 
 
+# ``--autocast bf16``: every forward pass runs under ``torch.autocast`` in bfloat16 (set by main).
+AUTOCAST = {"none": None, "bf16": torch.bfloat16}
+_amp_dtype: torch.dtype | None = None
+
+
+def amp(model):
+    """The ``--autocast`` context for a forward pass of ``model`` (a no-op without it)."""
+    if _amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=_amp_dtype)
+
+
 def make_step(model, batch, opt):
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
+        with amp(model):
+            loss = model(**batch).loss
         loss.backward()
         opt.step()
     return step
@@ -289,7 +311,7 @@ def saved_bytes(model, batch, method) -> int:
     a graph that is never backpropagated would keep what the meter's hooks saw alive)."""
     model.zero_grad(set_to_none=True)
     with Configured(model, method):
-        with SavedTensorMeter(model) as meter:
+        with SavedTensorMeter(model) as meter, amp(model):
             loss = model(**batch).loss
         loss.backward()
     model.zero_grad(set_to_none=True)
@@ -320,7 +342,7 @@ def analytic_split(model, batch, exclude: str | None = "classifier") -> dict:
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp(model):
             loss = model(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -408,7 +430,7 @@ def memory_in_subprocess(model_name, method, args) -> dict:
            "--seq", str(args.seq), "--task", args.task]
     if args.glue_dir:
         cmd += ["--glue-dir", args.glue_dir]
-    cmd += ["--threads", str(args.threads)]
+    cmd += ["--threads", str(args.threads), "--autocast", args.autocast]
     if args.quick:
         cmd.append("--quick")
     return run_memory_child(cmd, method["name"])
@@ -590,6 +612,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=3, help="methods between baseline steps")
     bu.add_threads_arg(p)
+    p.add_argument("--autocast", default="none", choices=sorted(AUTOCAST),
+                   help="forward passes under torch.autocast in this dtype (default: none)")
     p.add_argument("--quick", action="store_true", help="tiny models and batch: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")
@@ -598,6 +622,8 @@ def main(argv=None) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global _amp_dtype
+    _amp_dtype = AUTOCAST[args.autocast]
     if args.retable:
         path = Path(args.retable)
         payload = json.loads(path.read_text())

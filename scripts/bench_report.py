@@ -27,7 +27,7 @@ LAYER = "layer_cpu"
 MODEL_FILES = ("model_cpu_roberta_bytes", "model_cpu_roberta_time", "model_cpu_roberta_gauss",
                "model_cpu_roberta_ckpt", "model_cpu_roberta_exactskip", "model_cpu_roberta_memory",
                "model_cpu_roberta_compact_bytes", "model_cpu_roberta_compact_time",
-               "model_cpu_roberta_compact_alone_time")
+               "model_cpu_roberta_compact_alone_time", "model_cpu_roberta_bits_time")
 OVERHEAD = "overhead_cpu"
 # Importance sampling against blocksrht: variance on real batches, one layer's time, a step's time.
 IMPORTANCE = ("importance_variance", "layer_cpu_importance", "model_cpu_minilm_importance")
@@ -121,6 +121,7 @@ def targets_block(d: Path) -> str:
                     f"{bu.pct(p['saved_bytes'] / ex['saved_bytes'])} of exact", "ours < paper",
                     o["saved_bytes"] < p["saved_bytes"], stem)
         compact_targets(runs, f"{ours_name}+compact@0.1", add)
+        bits_targets(runs, add)
     importance_targets(d, add)
     ov = load(d, OVERHEAD)
     if ov:
@@ -148,6 +149,17 @@ def compact_targets(runs, name: str, add) -> None:
         r = recs[1]["saved_bytes"] / recs[0]["saved_bytes"]
         add("saved bytes, ours rho 0.1 + compact activations / exact", bu.r3(r), "<= 0.27",
             r <= 0.27, stem)
+
+
+def bits_targets(runs, add) -> None:
+    """4-bit stored rows (the exact sketch, ``bits=4``): a step at most 1.10x exact's time, and
+    at most 1.20x with compact activations."""
+    for name, lim in (("int4", 1.10), ("int4+compact", 1.20)):
+        stem, recs = _first(runs, name, key="time")
+        if recs:
+            r = recs[0]["time"]["ratio"]
+            add(f"roberta-base step 16x128, exact + 4-bit rows{name[4:].replace('+', ' + ')} / exact",
+                bu.r3(r), f"<= {lim}", r <= lim, stem)
 
 
 def importance_targets(d: Path, add) -> None:

@@ -15,6 +15,9 @@
 # tables measure patch_activations on roberta-base at rho 0.1: the compact set with and without
 # checkpointing, each part alone on top of the sketch (its own cost), and what backward keeps, by
 # the node that keeps it (SDPA's kernels keep no attention probabilities; dropout keeps seeds).
+# model_<device>[_quick]_gpucheck_bits.{json,md}: b-bit stored rows (exact sketch + bits 8/4/2 on
+# every linear layer but the head), alone and with compact activations, under bf16 autocast:
+# step time against exact and saved bytes.
 set -euo pipefail
 
 DEVICE=cuda
@@ -25,7 +28,7 @@ while [[ $# -gt 0 ]]; do
         --device) DEVICE="$2"; shift 2 ;;
         --quick) QUICK=(--quick); shift ;;
         --out-dir) OUT_DIR=(--out-dir "$2"); shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -63,6 +66,7 @@ else
     COMPACT_ARGS=(--repeats 5 --warmup 2)
 fi
 COMPACT_METHODS=exact,compact,ours,ours+compact,ckpt+ours+compact,ours+seeded,ours+recompute,ours+gelu,ours+packed
+BITS_METHODS=exact,int8,int4,int2,compact,int8+compact,int4+compact,int2+compact
 
 "$PY" scripts/bench_layer.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}" \
     --repeats 7 --min-sample-ms 25
@@ -71,6 +75,8 @@ COMPACT_METHODS=exact,compact,ours,ours+compact,ckpt+ours+compact,ours+seeded,ou
 "$PY" scripts/backward_overhead.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}"
 "$PY" scripts/bench_model.py --device "$DEVICE" --tag "${TAG}_compact" "${QUICK[@]}" \
     "${OUT_DIR[@]}" --models roberta-base --rhos 0.1 --methods "$COMPACT_METHODS" "${COMPACT_ARGS[@]}"
+"$PY" scripts/bench_model.py --device "$DEVICE" --tag "${TAG}_bits" "${QUICK[@]}" \
+    "${OUT_DIR[@]}" --models roberta-base --methods "$BITS_METHODS" --autocast bf16 "${COMPACT_ARGS[@]}"
 "$PY" scripts/saved_tensors.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}"
 
 DIR=results/bench
@@ -80,7 +86,8 @@ DEV_TYPE="${DEVICE%%:*}"
 echo
 echo "================ gpu_check: tables ($(($(date +%s) - START)) s) ================"
 for f in "$DIR"/{layer,model,overhead}_"${DEV_TYPE}${SUFFIX}".md \
-         "$DIR/model_${DEV_TYPE}${SUFFIX}_compact.md" "$DIR/saved_tensors_${DEV_TYPE}${SUFFIX}.md"; do
+         "$DIR/model_${DEV_TYPE}${SUFFIX}_compact.md" "$DIR/model_${DEV_TYPE}${SUFFIX}_bits.md" \
+         "$DIR/saved_tensors_${DEV_TYPE}${SUFFIX}.md"; do
     echo
     echo "---- $f"
     cat "$f"

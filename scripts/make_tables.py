@@ -744,6 +744,15 @@ def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None
             fams.append((label, key, base, p[key], base_name, prefix))
     if p.get("lora+ckpt"):
         fams.append(("LoRA + checkpointing", "lora+ckpt", p["lora+ckpt"], {}, None, None))
+    # b-bit stored rows (the exact sketch, bits=b on every linear layer but the head): one record
+    # each, in the 'none' column; the step benchmark times int<b> and int<b>+compact by these names.
+    for extra, before, after in (("", "", ""), ("+compact", "", " + compact activations"),
+                                 ("+ckpt", "checkpointing + ", "")):
+        for b in (8, 4, 2):
+            key = f"int{b}{extra}"
+            if p.get(key):
+                fams.append((f"{before}exact, {b}-bit rows{after}", key, p[key], {},
+                             None if extra == "+ckpt" else key, None))
     return fams
 
 
@@ -821,6 +830,10 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
         "'LoRA': peft LoRA as adapter=lora trains it (configs/adapter/lora.yaml, the weights "
         "frozen), with ours on the adapters' lora_A inputs; its peak holds gradients and AdamW "
         "state of the adapters and the head only. "
+        "'exact, b-bit rows': the exact sketch on every linear layer but the head (padding rows "
+        "skipped, Q/K/V sharing one stored X) with its stored rows kept as b-bit codes and "
+        "bfloat16 group ends (patch_linear(bits=b), method=exact method.bits=b), alone, with "
+        "compact activations and with checkpointing; one record each, in the 'none' column. "
         "Savings are against the exact model; the analytic limit stores every patched linear "
         "input at exactly rho and nothing else changes. 'peak' is the peak memory of one "
         "steady-state training step in a fresh process "

@@ -25,7 +25,10 @@ checkpointing keeps: the non-reentrant variant saves each layer's inputs through
 (``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one);
 ``compact`` (the exact model with ``patch_activations``' defaults: dropout masks from seeds,
 attention recomputed in backward, 2-bit GELU codes), ``ours+compact`` and ``ckpt+ours+compact``
-(the same on ours, and on checkpointing + ours); ``lora``,
+(the same on ours, and on checkpointing + ours); ``int8``, ``int4``, ``int2`` (the exact
+sketch on every linear layer but the head, its stored rows ``X`` kept as ``b``-bit codes with
+bfloat16 group ends, as ``method=exact method.bits=b``), ``int<b>+compact`` and ``int<b>+ckpt``
+(the same with compact activations, and with checkpointing); ``lora``,
 ``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
 pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
 the adapters' ``lora_A`` inputs), whose peak holds gradients and AdamW state only for the adapters
@@ -84,9 +87,14 @@ RHOS = (0.5, 0.2, 0.1)
 MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest example
 
 
+# b-bit stored rows alone (``int<b>``: the exact sketch on every linear layer but the head, its rows
+# kept as b-bit codes, as the pipeline's ``method=exact method.bits=<b>``), with compact
+# activations and with checkpointing.
+BITS_KINDS = tuple(f"int{b}{extra}" for extra in ("", "+compact", "+ckpt") for b in (8, 4, 2))
 METHOD_KINDS = ("exact", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+compact",
-                "ckpt+ours+compact", "lora", "lora+ckpt", "lora+ours", "lora+ours+compact")
-SINGLE = ("exact", "ckpt", "compact", "lora", "lora+ckpt")  # one record per point
+                "ckpt+ours+compact", "lora", "lora+ckpt", "lora+ours", "lora+ours+compact",
+                *BITS_KINDS)
+SINGLE = ("exact", "ckpt", "compact", "lora", "lora+ckpt", *BITS_KINDS)  # one record per point
 PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  # one per rate
            "lora+ours", "lora+ours+compact")
 # patch_activations' defaults, written out so that each record says what it measured.
@@ -106,7 +114,7 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for kind in SINGLE:
         if kind in kinds:
-            out[kind] = {"patch": None, "ckpt": "ckpt" in kind.split("+")}
+            out[kind] = {"patch": bits_patch(kind), "ckpt": "ckpt" in kind.split("+")}
     for kind in PER_RHO:
         if kind not in kinds:
             continue
@@ -126,6 +134,14 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
         if name.startswith("lora"):
             method["lora"] = dict(lora)
     return out
+
+
+def bits_patch(kind: str) -> dict | None:
+    """``patch_linear`` keywords of a ``int<b>...`` kind (None for the other single kinds)."""
+    base = kind.split("+")[0]
+    if not base.startswith("int"):
+        return None
+    return dict(sketch="exact", rho=1.0, exclude="classifier", bits=int(base[3:]))
 
 
 def lora_keys() -> dict:

@@ -4,7 +4,8 @@ how fast it trains, for one model and one GLUE task.
 For the exact model, ours (``--sketch``, the recommended layout: Q/K/V share one sketch, padding
 rows skipped, head exact) at each rate, activation checkpointing, and checkpointing + ours; the
 exact model and each of the last two also with compact activations (``patch_activations``'
-defaults):
+defaults); and the exact sketch with its stored rows as 8-, 4- or 2-bit codes (``bits``), and
+4-bit with compact activations:
 
 - **fixed part**, measured on the model: the bytes of its weights, of their gradients and of AdamW's
   two moments, allocated for real (a step on zero gradients) and summed;
@@ -97,12 +98,17 @@ def reference_lengths(lengths: list[int], batch: int, seed: int = 0) -> list[int
 # ---------------------------------------------------------------------------------- measuring
 
 
+# b-bit stored rows (the exact sketch, bits=b on every linear layer but the head): alone, and 4-bit
+# with compact activations. Their memory_table and bench_model names are the same.
+BITS = ("int8", "int4", "int2", "int4+compact")
+
+
 def configurations(sketch: str) -> dict[str, dict]:
     """Name -> memory_table method, in the order they are printed."""
     all_methods = mt.methods(sketch)
     names = ["exact", "compact", *[f"{kind}@{r:g}" for kind in ("ours", "ours+compact") for r in RHOS],
              "ckpt", *[f"{kind}@{r:g}" for kind in ("ckpt+ours", "ckpt+ours+compact")
-                       for r in RHOS]]
+                       for r in RHOS], *BITS]
     return {n: all_methods[n] for n in names}
 
 
@@ -161,7 +167,7 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
         largest = max(0, math.floor(room / per_example)) if room > 0 else 0
         bench = {"exact": "exact", "compact": "compact", "ckpt": "ckpt", "ours": f"ours-{sketch}",
                  "ckpt+ours": f"ckpt+ours-{sketch}", "ours+compact": f"ours-{sketch}+compact",
-                 "ckpt+ours+compact": f"ckpt+ours-{sketch}+compact"}[kind]
+                 "ckpt+ours+compact": f"ckpt+ours-{sketch}+compact", **{b: b for b in BITS}}[kind]
         bench = bench if not rho else f"{bench}@{rho}"
         rows.append({"name": name, "kind": kind, "rho": float(rho) if rho else None,
                      "per_token": per_token, "recompute_per_example": recompute,
@@ -176,7 +182,9 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
 
 LABELS = {"exact": "exact", "compact": "compact activations", "ours": "ours", "ckpt": "checkpointing",
           "ckpt+ours": "checkpointing + ours", "ours+compact": "ours + compact activations",
-          "ckpt+ours+compact": "checkpointing + ours + compact activations"}
+          "ckpt+ours+compact": "checkpointing + ours + compact activations",
+          "int8": "exact, 8-bit rows", "int4": "exact, 4-bit rows", "int2": "exact, 2-bit rows",
+          "int4+compact": "exact, 4-bit rows + compact activations"}
 
 
 def render(rows: list[dict], meta: dict) -> str:

@@ -187,6 +187,12 @@ def test_gpu_check_on_cpu(tmp_path):
                       "--out-dir", str(tmp_path)], tmp_path, timeout=900)
     for name in ("layer", "model", "overhead"):
         assert (tmp_path / f"{name}_cpu_quick_gpucheck.json").is_file()
+    bits = json.loads((tmp_path / "model_cpu_quick_gpucheck_bits.json").read_text())
+    assert bits["args"]["autocast"] == "bf16"
+    ms = bits["results"][0]["methods"]
+    for name in ("int8", "int4", "int2", "int4+compact"):
+        assert ms[name]["patch"]["bits"] == int(name[3]) and "time" in ms[name]
+        assert ms[name]["saved_bytes"] < ms["exact"]["saved_bytes"]
     assert "gpu_check: tables" in out
     assert out.rstrip().splitlines()[-1].startswith("|")
 

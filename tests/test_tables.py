@@ -196,6 +196,38 @@ def test_table3_and_figure3_with_checkpointing(make_tables, tmp_path):
     assert (tmp_path / "figures" / "figure3_memory.png").stat().st_size > 0
 
 
+def test_table3_rows_of_bits(make_tables, tmp_path):
+    """b-bit stored rows (memory_table's int<b>, int<b>+compact, int<b>+ckpt) are rows of their
+    own, in the 'none' column, with the benchmark's step ratio where it timed them."""
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    point = memory_point("table3", "cola", 8, 400, peak=True)
+    mib = 2**20
+    for kind, v in (("int8", 250), ("int4", 160), ("int4+compact", 60), ("int2+ckpt", 18)):
+        point[kind] = {"saved_activation_bytes": v * mib,
+                       "patch": {"sketch": "exact", "rho": 1.0, "bits": int(kind[3])}}
+    point["int4"]["peak_memory"] = {"peak_bytes": 600 * mib, "kind": "peak RSS of the step"}
+    (memory / "table3-cola-b8.json").write_text(json.dumps(point))
+    write_bench(tmp_path)
+    bench = json.loads((tmp_path / "bench" / "model_cpu_test.json").read_text())
+    bench["results"][0]["model"] = "roberta-base"
+    bench["results"][0]["methods"]["int4"] = {"time": {"ratios": [1.04, 1.05, 1.06],
+                                                       "median_s": 1.0}}
+    (tmp_path / "bench" / "model_cpu_test.json").write_text(json.dumps(bench))
+    (tmp_path / "bench" / "model_cpu_test2.json").unlink()
+    make_tables.table3(memory, tmp_path / "tables", tmp_path / "bench")
+    lines = (tmp_path / "tables" / "table3.md").read_text().splitlines()
+    rows = {line.split(" | ")[2]: line for line in lines if line.startswith("| cola (8) |")}
+    assert "| 250 / - / - / - | 38% / - / - / - |" in rows["exact, 8-bit rows"]
+    four = rows["exact, 4-bit rows"]
+    assert "| 160 / - / - / - | 60% / - / - / - | - | 600 / - / - / - | 25% / - / - / - |" in four
+    assert "| 1.05 / - / - / - |" in four
+    assert "| 60 / - / - / - | 85% / - / - / - |" in rows[
+        "exact, 4-bit rows + compact activations"]
+    assert "| 18 / - / - / - | 96% / - / - / - |" in rows["checkpointing + exact, 2-bit rows"]
+    assert not any("int2" in label or "2-bit rows +" in label for label in rows)
+
+
 def test_table3_from_training_runs(make_tables, tmp_path):
     """experiment=table3 runs (GPU) give table3_roberta: peak memory per point and rate."""
     compact = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2,

@@ -124,9 +124,25 @@ def _grid(a: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
     span = (hi_x - lo.float()) / levels
     step = _outward(span, span * (1 + 2**-7), lambda v: lo.float() + levels * v.float() >= hi_x)
     step_f = step.float().unsqueeze(-1)
-    t = (x - lo.float().unsqueeze(-1)) / step_f
-    t = torch.where(step_f > 0, t, torch.zeros_like(t))  # a constant group: every code 0
+    t = torch.sub(x, lo.float().unsqueeze(-1)).div_(step_f)
+    t.masked_fill_(~(step_f > 0), 0)  # a constant group: every code 0
     return t.clamp_(0, levels), lo, step
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """``8 / bits`` codes (each below ``2^bits``) per byte, the first in the low bits: a byte's
+    worth of codes is read as one little-endian word, and shifts move each code into the low
+    byte (one pass per code over whole words, not strided bytes)."""
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits  # a group is a multiple of 8 codes: whole words (little-endian)
+    # Codes are below 2^bits, so byte i of a word, shifted right by i * (8 - bits), lands in bits
+    # [i * bits, (i + 1) * bits) of the low byte and nothing else does.
+    word = codes.view(torch.int16 if per_byte == 2 else torch.int32)
+    packed = word.clone()
+    for i in range(1, per_byte):
+        packed |= word >> (i * (8 - bits))
+    return (packed & 0xFF).to(torch.uint8)
 
 
 def quantize(a: Tensor, bits: int, group: int, seed: int,
@@ -141,7 +157,6 @@ def quantize(a: Tensor, bits: int, group: int, seed: int,
     spec = QuantSpec(check_bits(bits), check_group(group), rows, cols, a.dtype)
     t, lo, step = _grid(a, spec)
     u = _dither(t.numel(), seed ^ _DITHER, a.device).view_as(t)
-    codes = (t + u).floor_().clamp_(max=(1 << bits) - 1).to(torch.uint8)
     row_var = None
     if variance:
         f = t - t.floor()
@@ -150,11 +165,9 @@ def quantize(a: Tensor, bits: int, group: int, seed: int,
         if pad:  # the repeated columns are not part of the rows
             f_var[:, -1, spec.group - pad:] = 0
         row_var = (f_var.sum(-1) * step.float().square()).sum(-1)
-    per_byte = 8 // bits
-    c = codes.view(-1, per_byte)
-    packed = c[:, 0].clone()
-    for i in range(1, per_byte):
-        packed |= c[:, i] << (bits * i)
+    # t is ours (a fresh tensor): round in place.
+    codes = t.add_(u).floor_().clamp_(max=(1 << bits) - 1).to(torch.uint8)
+    packed = _pack(codes.view(-1), bits)
     ends = torch.stack([lo, step], dim=-1).reshape(-1).view(torch.uint8)
     return torch.cat([packed, ends]), spec, row_var
 
