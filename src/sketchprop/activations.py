@@ -91,6 +91,7 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -574,10 +575,11 @@ def register_attention() -> str:
 # GELU.
 
 
-def gelu_derivative(x: Tensor) -> Tensor:
-    """``GELU'(x) = Phi(x) + x phi(x)`` in float32, by the fused kernel of GELU's own backward."""
+def gelu_derivative(x: Tensor, approximate: str = "none") -> Tensor:
+    """``GELU'(x) = Phi(x) + x phi(x)`` in float32 (or, with ``approximate="tanh"``, the tanh
+    form's derivative), by the fused kernel of GELU's own backward."""
     x = x.float()
-    return torch.ops.aten.gelu_backward(torch.ones_like(x), x)
+    return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate=approximate)
 
 
 @dataclass(frozen=True)
@@ -657,18 +659,22 @@ class GeluCode:
 
 
 class _CompactGeluFunction(torch.autograd.Function):
+    """GELU of the form ``approximate`` (``"none"``: erf, ``"tanh"``), saving only the packed
+    codes of its derivative."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, code: GeluCode, seed: int | None) -> Tensor:
-        codes = code.encode(gelu_derivative(x), seed)
+    def forward(ctx, x: Tensor, code: GeluCode, seed: int | None = None,
+                approximate: str = "none") -> Tensor:
+        codes = code.encode(gelu_derivative(x, approximate), seed)
         ctx.code, ctx.shape = code, x.shape
         ctx.save_for_backward(pack_codes(codes, code.bits))
-        return F.gelu(x)
+        return F.gelu(x, approximate=approximate)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
         codes = unpack_codes(packed, ctx.code.bits, dy.numel()).view(ctx.shape)
-        return (dy * ctx.code.decode(codes)).to(dy.dtype), None, None
+        return (dy * ctx.code.decode(codes)).to(dy.dtype), None, None, None
 
 
 class CompactGELU(nn.Module):
@@ -680,6 +686,8 @@ class CompactGELU(nn.Module):
     ``torch.initial_seed()`` and the distributed rank; the global generator is never drawn from
     (module docstring, "Seeds"). In eval mode the module is the exact GELU.
     """
+
+    approximate = "none"  # GELU's form, as F.gelu's keyword; the tanh form's subclass sets "tanh"
 
     def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE,
                  name: str = ""):
@@ -705,12 +713,14 @@ class CompactGELU(nn.Module):
         return int(torch.randint(0, 2**62, (), generator=self._gen))
 
     def forward(self, x: Tensor) -> Tensor:
+        form = self.approximate
         if not (self.training and torch.is_grad_enabled() and x.requires_grad):
-            return F.gelu(x)  # eval mode: exact (and deterministic) gradients
+            return F.gelu(x, approximate=form)  # eval mode: exact (and deterministic) gradients
         if self.fitted is None:
-            self.fitted = GeluCode.fit(x, self.bits)
+            self.fitted = GeluCode.fit(x, self.bits, derivative=partial(gelu_derivative,
+                                                                        approximate=form))
         seed = self._next_seed() if self.fitted.stochastic else None
-        return _CompactGeluFunction.apply(x, self.fitted, seed)
+        return _CompactGeluFunction.apply(x, self.fitted, seed, form)
 
 
 def is_exact_gelu(module: nn.Module) -> bool:

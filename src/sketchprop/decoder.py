@@ -55,8 +55,7 @@ from .activations import (
     CompactGELU,
     GeluCode,
     _linear_weights,
-    pack_codes,
-    unpack_codes,
+    gelu_derivative,
 )
 
 __all__ = [
@@ -91,8 +90,7 @@ def _autocast_dtype(x: Tensor) -> torch.dtype | None:
 def gelu_tanh_derivative(x: Tensor) -> Tensor:
     """The derivative of ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` in float32, by the
     fused kernel of its own backward."""
-    x = x.float()
-    return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate="tanh")
+    return gelu_derivative(x, approximate="tanh")
 
 
 def _tanh_derivative_range() -> tuple[float, float]:
@@ -108,25 +106,12 @@ def _tanh_derivative_range() -> tuple[float, float]:
 _TANH_G_MIN, _TANH_G_MAX = _tanh_derivative_range()
 
 
-class _CompactTanhGeluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, code: GeluCode, seed: int | None) -> Tensor:
-        codes = code.encode(gelu_tanh_derivative(x), seed)
-        ctx.code, ctx.shape = code, x.shape
-        ctx.save_for_backward(pack_codes(codes, code.bits))
-        return F.gelu(x, approximate="tanh")
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        (packed,) = ctx.saved_tensors
-        codes = unpack_codes(packed, ctx.code.bits, dy.numel()).view(ctx.shape)
-        return (dy * ctx.code.decode(codes)).to(dy.dtype), None, None
-
-
 class CompactTanhGELU(CompactGELU):
     """GELU's tanh form (``F.gelu(x, approximate="tanh")``) with backward from a ``bits``-bit code
     of its own derivative: the stochastic code's ``2^bits`` levels span that derivative's range
     (unbiased), the optimal code is fit on it (deterministic, biased)."""
+
+    approximate = "tanh"
 
     def __init__(self, bits: int = DEFAULT_GELU_BITS, code: str = DEFAULT_GELU_CODE,
                  name: str = ""):
@@ -134,15 +119,6 @@ class CompactTanhGELU(CompactGELU):
         if code == "stochastic":
             step = (_TANH_G_MAX - _TANH_G_MIN) / (2**bits - 1)
             self.fitted = GeluCode(bits, tuple(_TANH_G_MIN + i * step for i in range(2**bits)))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and torch.is_grad_enabled() and x.requires_grad):
-            return F.gelu(x, approximate="tanh")  # eval mode: exact, as CompactGELU
-        if self.fitted is None:
-            self.fitted = GeluCode.fit(x, self.bits, derivative=gelu_tanh_derivative)
-        # The rounding's own stream, never the global generator (CompactGELU's docstring).
-        seed = self._next_seed() if self.fitted.stochastic else None
-        return _CompactTanhGeluFunction.apply(x, self.fitted, seed)
 
 
 def is_tanh_gelu(module: nn.Module) -> bool:
