@@ -17,8 +17,10 @@ inputs (transformers shifts them), CPU, SDPA attention as transformers picks it.
 
 Saved bytes: ``SavedTensorMeter`` around the forward (unique storages, parameters excluded); by op:
 the graph of the loss walked (``saved_tensors.saved_by_node``), each storage under the first node
-that keeps it, grouped by node type. Time (``--time-steps N``): a warm-up step, then the median of
-N forward+backward steps, each method in the same process; 0 skips timing.
+that keeps it, grouped by node type. Time (``--time-steps N``): a warm-up step of each method, then N
+rounds in which every method takes one forward+backward step in turn (all in one process); a
+method's ratio is the median over rounds of its step time over exact's in the same round, with
+the range; 0 skips timing.
 
     PYTHONPATH=src python scripts/decoders.py --architectures llama \
         --methods "exact,compact,compact(mlp=input),ours+compact" --tag _llama   # results/bench/
@@ -26,7 +28,10 @@ N forward+backward steps, each method in the same process; 0 skips timing.
         --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=input)" --tag _llama_lora
     PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 \
         --methods "exact,compact,compact(mlp=input)" --time-steps 2 --tag _time
-    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --tag _gpt2
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
+        --methods "exact,compact,compact(attention=stored),ours+compact" --tag _gpt2
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 8 \
+        --methods "exact,lora,lora+ours+compact" --tag _gpt2_lora
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
 """
 
@@ -155,7 +160,7 @@ def measure(shape: Shape, batch: int, length: int, methods, sketch: str, rho: fl
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, shape.vocab, (batch, length), generator=g)
     data = {"input_ids": ids, "labels": ids}
-    rows = {}
+    rows, models = {}, {}
     for method in methods:
         if "mlp=" in method and shape.arch != "llama":  # GPT-2 has no gated MLP
             continue
@@ -167,19 +172,33 @@ def measure(shape: Shape, batch: int, length: int, methods, sketch: str, rho: fl
             loss = model(**data).loss
         entries = saved_by_node(loss, model.parameters())
         del loss
-        row = {"saved_bytes": meter.bytes, "by_op": by_op(entries)}
+        rows[method] = {"saved_bytes": meter.bytes, "by_op": by_op(entries)}
+        print(f"{shape.arch} {method}: saved {meter.bytes / 2**20:.1f} MiB", flush=True)
         if time_steps:
+            models[method] = model
+        del model
+    if time_steps:
+        # Round-robin: each round steps every method once, so a change of machine load falls on
+        # all of them alike; a method's ratio is the median of its per-round ratios to exact's.
+        for model in models.values():
             step(model, data)  # warm-up
-            times = []
-            for _ in range(time_steps):
+        times: dict[str, list[float]] = {m: [] for m in models}
+        for _ in range(time_steps):
+            for method, model in models.items():
                 t0 = time.perf_counter()
                 step(model, data)
-                times.append(time.perf_counter() - t0)
-            row["step_seconds"] = statistics.median(times)
-        rows[method] = row
-        print(f"{shape.arch} {method}: saved {meter.bytes / 2**20:.1f} MiB"
-              + (f", step {row['step_seconds']:.2f} s" if time_steps else ""), flush=True)
-        del model
+                times[method].append(time.perf_counter() - t0)
+        base_times = times.get("exact")
+        for method, ts in times.items():
+            row = rows[method]
+            row["step_samples_s"] = ts
+            row["step_seconds"] = statistics.median(ts)
+            if base_times:
+                ratios = [t / b for t, b in zip(ts, base_times, strict=True)]
+                row["time_ratios"] = ratios
+                row["time_ratio"] = statistics.median(ratios)
+            print(f"{shape.arch} {method}: step {row['step_seconds']:.2f} s"
+                  + (f", {row['time_ratio']:.3f}x exact" if base_times else ""), flush=True)
     return rows
 
 
@@ -192,14 +211,16 @@ def tables(payload: dict) -> str:
         ops = list(dict.fromkeys(op for r in rows.values() for op in r["by_op"]))
         head = ["method", "saved MiB", "x exact"]
         if "step_seconds" in exact:
-            head += ["step s", "time x exact"]
+            head += ["step s", "time x exact (range over rounds)"]
         head += [f"{op} (MiB)" for op in ops]
         lines = []
         for method, r in rows.items():
             line = [method, f"{r['saved_bytes'] / 2**20:.1f}",
                     bu.r3(r["saved_bytes"] / exact["saved_bytes"])]
             if "step_seconds" in exact:
-                line += [f"{r['step_seconds']:.2f}", bu.r3(r["step_seconds"] / exact["step_seconds"])]
+                ratios = r.get("time_ratios") or [r["step_seconds"] / exact["step_seconds"]]
+                line += [f"{r['step_seconds']:.2f}", f"{bu.r3(r.get('time_ratio', ratios[0]))} "
+                         f"({min(ratios):.2f}-{max(ratios):.2f})"]
             line += [f"{r['by_op'].get(op, 0) / 2**20:.1f}" for op in ops]
             lines.append(line)
         title = (f"{arch}: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} query / "

@@ -405,3 +405,7 @@ def test_decoders_script_quick(tmp_path):
         assert "chunked loss" in rows["compact"]["by_op"]
         assert "log-probabilities (loss)" in rows["exact"]["by_op"]
         assert all(r["step_seconds"] > 0 for r in rows.values())
+        # Timed round-robin: one sample per round, ratios paired with exact's in the same round.
+        for r in rows.values():
+            assert len(r["step_samples_s"]) == len(r["time_ratios"]) == 1
+            assert r["time_ratio"] == r["step_samples_s"][0] / rows["exact"]["step_samples_s"][0]
