@@ -24,11 +24,11 @@ encoder layer keeps only its input and recomputes the rest in backward) and ``ck
 checkpointing keeps: the non-reentrant variant saves each layer's inputs through them
 (``tests/test_budget.py`` checks that it counts the same bytes as the reentrant one);
 ``compact`` (the exact model with ``patch_activations``' defaults: dropout masks from seeds,
-attention recomputed in backward, 2-bit GELU codes), ``ours+compact`` and ``ckpt+ours+compact``
-(the same on ours, and on checkpointing + ours); ``int8``, ``int4``, ``int2`` (the exact
-sketch on every linear layer but the head, its stored rows ``X`` kept as ``b``-bit codes with
-bfloat16 group ends, as ``method=exact method.bits=b``), ``int<b>+compact`` and ``int<b>+ckpt``
-(the same with compact activations, and with checkpointing); ``lora``,
+attention recomputed in backward, 2-bit GELU codes, LayerNorm from its output), ``ours+compact``
+and ``ckpt+ours+compact`` (the same on ours, and on checkpointing + ours); ``int8``, ``int4``,
+``int2`` (the exact sketch on every linear layer but the head, its stored rows ``X`` kept as
+``b``-bit codes with bfloat16 group ends, as ``method=exact method.bits=b``), ``int<b>+compact``
+and ``int<b>+ckpt`` (the same with compact activations, and with checkpointing); ``lora``,
 ``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
 pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
 the adapters' ``lora_A`` inputs), whose peak holds gradients and AdamW state only for the adapters
@@ -39,10 +39,11 @@ Points: ``table3`` (the paper's: MRPC 128, SST-2 256, QNLI 16, CoLA 256) and ``f
 batch 8 to 128; the 256 point is Table 3's). One JSON file per point in ``results/memory/``,
 written when the point is done; a point already there is skipped, or only the methods and parts it
 lacks are measured and added (``--overwrite`` measures the asked methods again, keeping the
-file's others), so an interrupted run resumes and a new
-method is added to old points. ``--glue-dir`` defaults to ``$GLUE_DIR``, else the shipped
-``data/glue`` (which has no QNLI: its point needs a GLUE folder with ``QNLI/dev.tsv``, unless its
-file is already complete).
+file's others), so an interrupted run resumes and a new method is added to old points. A record
+measured with other compact settings than the method now asks (an older ``patch_activations``
+default) is measured again and replaced whole. ``--glue-dir`` defaults to ``$GLUE_DIR``, else the
+shipped ``data/glue`` (which has no QNLI: its point needs a GLUE folder with ``QNLI/dev.tsv``,
+unless its file is already complete).
 ``scripts/make_tables.py`` builds ``table3.md`` and ``figure3_memory.png`` from these files.
 
     python scripts/memory_table.py --points table3 --parts bytes            # make memory runs
@@ -99,7 +100,7 @@ PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  #
            "lora+ours", "lora+ours+compact")
 # patch_activations' defaults, written out so that each record says what it measured.
 COMPACT = {"dropout": "seeded", "attention": "recompute", "gelu_bits": act.DEFAULT_GELU_BITS,
-           "gelu_code": act.DEFAULT_GELU_CODE}
+           "gelu_code": act.DEFAULT_GELU_CODE, "layernorm": "output"}
 # Record key of each part in a method's record.
 PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}
 # HF checkpointing as the memory table runs it (see the module docstring).
@@ -398,17 +399,31 @@ def run_point(table: str, task: str, batch_size: int, args, env: dict,
 
 
 
+def join(old: dict, new: dict) -> dict:
+    """One method's record: ``new``'s parts added to ``old``'s, or ``new`` alone where the two
+    were measured with different compact settings (no part of a stale record is kept)."""
+    if new and old.get("activations") != new.get("activations"):
+        return new
+    return {**old, **new}
+
+
+def stale(have: dict, method: dict) -> bool:
+    """Whether a method's filed record was measured with other compact settings than it now
+    asks for (an older default): then it is measured again, every part asked."""
+    return bool(have) and have.get("activations") != method.get("activations")
+
+
 def merge(old: dict, new: dict) -> dict:
     """``old`` with the methods and parts measured in ``new`` added (records merged key by key)."""
     groups = SINGLE + PER_RHO
     out = {**new, **{k: v for k, v in old.items() if k not in groups}}
     for key in SINGLE:
         if key in old or key in new:
-            out[key] = {**old.get(key, {}), **new.get(key, {})}
+            out[key] = join(old.get(key, {}), new.get(key, {}))
     for key in PER_RHO:
         if key in old or key in new:
             a, b = old.get(key, {}), new.get(key, {})
-            out[key] = {r: {**a.get(r, {}), **b.get(r, {})} for r in {*a, *b}}
+            out[key] = {r: join(a.get(r, {}), b.get(r, {})) for r in {*a, *b}}
     out["parts"] = sorted({*old["parts"], *new["parts"]})
     out["command"] = old["command"] + " ; " + new["command"]
     out["wall_seconds"] = old.get("wall_seconds", 0) + new["wall_seconds"]
@@ -461,7 +476,8 @@ def main(argv=None) -> None:
         p.error("no GLUE folder: pass --glue-dir or set GLUE_DIR")
     args.glue_dir = Path(args.glue_dir)
     out = Path(args.out_dir)
-    names = list(methods(args.sketch, kinds))
+    asked = methods(args.sketch, kinds)
+    names = list(asked)
     requested = args.part_list
     plan = []  # (table, task, batch, path, old file, {method: parts to measure}, limit needed)
     for table, task, b in todo:
@@ -470,6 +486,8 @@ def main(argv=None) -> None:
         needs = {}
         for name in names:
             have = {} if args.overwrite else record(old, name)
+            if stale(have, asked[name]):
+                have = {}
             missing = [x for x in requested if PART_KEY[x] not in have]
             if missing:
                 needs[name] = missing

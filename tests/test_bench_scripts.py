@@ -374,6 +374,30 @@ def test_memory_table_peak_child_and_merge(tmp_path):
     assert m["wall_seconds"] == 3.0 and m["command"] == "a ; b"
 
 
+def test_memory_table_replaces_records_of_other_compact_settings():
+    """A compact record filed under an older default is measured again and replaced whole: no
+    peak of the old settings stays beside bytes of the new."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from memory_table import COMPACT, merge, methods, stale
+    finally:
+        sys.path.pop(0)
+    asked = methods("blocksrht", ("exact", "compact", "ours+compact"))
+    older = {k: v for k, v in COMPACT.items() if k != "layernorm"}
+    assert stale({"activations": older, "saved_activation_bytes": 1}, asked["compact"])
+    assert not stale({"activations": dict(COMPACT), "saved_activation_bytes": 1}, asked["compact"])
+    assert not stale({"saved_activation_bytes": 1}, asked["exact"]) and not stale({}, asked["compact"])
+    old = {"parts": ["bytes", "memory"], "command": "a", "wall_seconds": 1.0,
+           "compact": {"activations": older, "saved_activation_bytes": 9, "peak_memory": 7},
+           "ours+compact": {"0.1": {"activations": older, "saved_activation_bytes": 5,
+                                    "peak_memory": 3}}}
+    new = {"parts": ["bytes"], "command": "b", "wall_seconds": 2.0,
+           "compact": {"activations": dict(COMPACT), "saved_activation_bytes": 8},
+           "ours+compact": {"0.1": {"activations": dict(COMPACT), "saved_activation_bytes": 4}}}
+    m = merge(old, new)
+    assert m["compact"] == new["compact"] and m["ours+compact"]["0.1"] == new["ours+compact"]["0.1"]
+
+
 @pytest.mark.parametrize("bad, message", [(["--parts", "bites"], "bites"),
                                           (["--points", "table9"], "table9"),
                                           (["--tasks", "QQP"], "QQP"),
