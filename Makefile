@@ -152,7 +152,7 @@ memory: install  ## Table 3, Figure 3 on this CPU: roberta-base saved bytes (exa
 	$(PY) scripts/memory_table.py --points table3 --tasks CoLA --parts memory $(ARGS)
 	$(PY) scripts/memory_table.py --points figure3 --parts bytes,memory $(ARGS)
 
-bench: install  ## the CPU benchmark suite that fills results/bench/ (about an hour): make bench [ARGS="layer variance"] for some
+bench: install  ## the CPU benchmark suite that fills results/bench/ (a few hours): make bench [ARGS="layer variance"] for some
 	PYTHON=$(PY) scripts/bench_all_cpu.sh $(ARGS)
 
 architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The CPU runs behind results/bench/README.md, one after another; each stays under ~10 minutes on
-# two shared cores. Then the README's generated blocks are refreshed from the JSON files.
+# The CPU runs behind results/bench/README.md, one after another (a few hours in all; most stay under
+# ~10 minutes on two shared cores). Then the README's generated blocks are refreshed from the JSON files.
 #
 #   scripts/bench_all_cpu.sh                 # every run
 #   scripts/bench_all_cpu.sh layer variance  # only the named runs (names: see RUNS below)
@@ -26,9 +26,28 @@ declare -A RUNS=(
     [minilm]="scripts/bench_model.py --models minilm --methods exact,exact-skip,ckpt,paper,ours,ours-gaussian,ckpt+ours,ours-noshare,ours-noskip --threads $T --repeats 5 --tag _minilm"
     [overhead]="scripts/backward_overhead.py --threads $T"
     [variance]="scripts/sketch_variance.py --threads $T --seeds 24"
+    [layer_importance]="scripts/bench_layer.py --threads $T --shapes 768x3072 --sketches blocksrht,importance --rhos 0.2,0.1 --tag _importance"
+    [minilm_importance]="scripts/bench_model.py --models minilm --methods exact,ours,ours-importance,ours-importance+alloc --rhos 0.2,0.1 --parts bytes,time --threads $T --repeats 5 --tag _minilm_importance"
+    [importance_variance]="scripts/importance_variance.py --threads $T"
+    [roberta_compact_bytes]="scripts/bench_model.py --models roberta-base --methods exact,ours,compact,lnstored,ours+compact,ours+lnstored,ckpt+ours+compact,ours+seeded,ours+recompute,ours+gelu,ours+lnout,ours+packed --rhos 0.5,0.2,0.1 --parts bytes --threads $T --tag _roberta_compact_bytes"
+    [roberta_compact_time]="scripts/bench_model.py --models roberta-base --methods exact,ours,ours+compact,ours+seeded,ours+recompute,ours+gelu,ours+packed --rhos 0.1 --parts time --threads $T --repeats 3 --tag _roberta_compact_time"
+    [roberta_compact_alone_time]="scripts/bench_model.py --models roberta-base --methods exact,ours,compact --rhos 0.1 --parts time --threads $T --repeats 3 --tag _roberta_compact_alone_time"
+    [roberta_lnout_time]="scripts/bench_model.py --models roberta-base --methods exact,compact,lnstored,ours+compact,ours+lnstored --rhos 0.1 --parts time --threads $T --repeats 3 --tag _roberta_lnout_time"
+    [roberta_bits_time]="scripts/bench_model.py --models roberta-base --methods exact,int8,int4,int2,int4+compact --parts time --threads $T --repeats 3 --tag _roberta_bits_time"
+    [gelu_bits]="scripts/gelu_bits.py --threads $T"
+    [equal_bytes]="scripts/equal_bytes.py --threads $T"
+    [decoders_llama]="scripts/decoders.py --architectures llama --methods exact,compact,compact(mlp=recompute),ours+compact --threads $T --tag _llama"
+    [decoders_llama_lora]="scripts/decoders.py --architectures llama --batch 8 --methods exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute) --threads $T --tag _llama_lora"
+    [decoders_time]="scripts/decoders.py --architectures llama --batch 4 --methods exact,compact(mlp=recompute),compact(mlp=input) --time-steps 4 --threads $T --tag _time"
+    [decoders_gpt2]="scripts/decoders.py --architectures gpt2 --methods exact,compact,compact(attention=stored),ours+compact --threads $T --tag _gpt2"
+    [decoders_gpt2_lora]="scripts/decoders.py --architectures gpt2 --batch 8 --methods exact,lora,lora+ours+compact --threads $T --tag _gpt2_lora"
+    [decoders_gpt2_time]="scripts/decoders.py --architectures gpt2 --batch 4 --methods exact,compact --time-steps 4 --threads $T --tag _gpt2_time"
 )
 ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 roberta_exactskip roberta_bytes
-       roberta_memory minilm overhead variance)
+       roberta_memory minilm overhead variance layer_importance minilm_importance importance_variance
+       roberta_compact_bytes roberta_compact_time roberta_compact_alone_time roberta_lnout_time
+       roberta_bits_time gelu_bits equal_bytes decoders_llama decoders_llama_lora decoders_time
+       decoders_gpt2 decoders_gpt2_lora decoders_gpt2_time)
 if [[ $# -gt 0 ]]; then ORDER=("$@"); fi
 
 for name in "${ORDER[@]}"; do

@@ -39,3 +39,24 @@ def test_clean_removes_outputs_and_checkpoints_and_never_results(tmp_path):
 def test_bench_runs_the_cpu_benchmark_suite():
     dry = make("-n", "bench", "ARGS=layer variance")
     assert "scripts/bench_all_cpu.sh layer variance" in dry
+
+
+def test_bench_suite_remakes_every_committed_benchmark():
+    """Each results/bench/*.json was written by a command that `make bench` (or `make
+    architectures`) runs again: the same script with the same --tag."""
+    import json
+    import re
+    import shlex
+
+    suite = (REPO_ROOT / "scripts" / "bench_all_cpu.sh").read_text()
+    runs = set()
+    for body in re.findall(r'^\s+\[\w+\]="(.*)"$', suite, flags=re.M):
+        words = shlex.split(body)
+        tag = words[words.index("--tag") + 1] if "--tag" in words else ""
+        runs.add((words[0].removeprefix("scripts/"), tag))
+    runs.add(("architectures.py", ""))  # make architectures
+    for path in sorted((REPO_ROOT / "results" / "bench").glob("*.json")):
+        words = shlex.split(json.loads(path.read_text())["environment"]["command"])
+        script = next(w.rsplit("/", 1)[-1] for w in words if w.endswith(".py"))
+        tag = words[words.index("--tag") + 1] if "--tag" in words else ""
+        assert (script, tag) in runs, f"{path.name}: no run of {script} --tag {tag!r} in make bench"
