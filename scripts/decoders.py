@@ -12,8 +12,9 @@ inputs (transformers shifts them), CPU, SDPA attention as transformers picks it.
   frozen;
 - ``lora+ours+compact``: the same with ``patch_linear(targets="lora_A")`` (the adapters'
   down-projections, the only layers that keep inputs) and ``patch_activations(model)``;
-- ``...compact(mlp=input)``: ``patch_activations(model, mlp="input")`` in place of the defaults
-  (the gated MLP keeps its input, backward makes the gate and up outputs again).
+- ``...compact(key=value)``: ``patch_activations(model, key=value)``, one option changed from the
+  defaults: ``mlp=input`` (the gated MLP keeps its input, backward makes the gate and up outputs
+  again), ``attention=recompute`` (applied even where the default leaves it), ``lm_loss=stored``.
 
 Saved bytes: ``SavedTensorMeter`` around the forward (unique storages, parameters excluded); by op:
 the graph of the loss walked (``saved_tensors.saved_by_node``), each storage under the first node
@@ -22,16 +23,19 @@ rounds in which every method takes one forward+backward step in turn (all in one
 method's ratio is the median over rounds of its step time over exact's in the same round, with
 the range; 0 skips timing.
 
-    PYTHONPATH=src python scripts/decoders.py --architectures llama \
-        --methods "exact,compact,compact(mlp=input),ours+compact" --tag _llama   # results/bench/
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --methods \
+        "exact,compact,compact(mlp=input),compact(attention=recompute),ours+compact" --tag _llama
     PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 8 \
         --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=input)" --tag _llama_lora
-    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 \
-        --methods "exact,compact,compact(mlp=input)" --time-steps 2 --tag _time
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 --time-steps 7 \
+        --methods "exact,compact,compact(lm_loss=stored),ours+compact,lora,lora+ours+compact" \
+        --tag _time
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
         --methods "exact,compact,compact(attention=stored),ours+compact" --tag _gpt2
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 8 \
         --methods "exact,lora,lora+ours+compact" --tag _gpt2_lora
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 4 --time-steps 4 \
+        --methods "exact,compact" --tag _gpt2_time
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
 """
 

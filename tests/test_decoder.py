@@ -103,7 +103,9 @@ def test_defaults_apply_what_the_model_has_and_say_what_they_left(family, caplog
         names = patch_activations(model)
     lines = [r.getMessage() for r in caplog.records if r.name == "sketchprop.patching"]
     assert len(lines) == 1 and "applied" in lines[0] and "left" in lines[0]
-    assert "lm_head" in names and model.config._attn_implementation == act.ATTENTION_NAME
+    assert "lm_head" in names
+    # SDPA without attention dropout keeps no probabilities: the default leaves attention.
+    assert model.config._attn_implementation == "sdpa" and "attention (its sdpa" in lines[0]
     if family == "llama":
         assert [n for n in names if n.endswith("mlp")] == ["model.layers.0.mlp", "model.layers.1.mlp"]
         assert sum(n.endswith("norm") for n in names) == 5  # 2 per layer and the final one
@@ -113,6 +115,33 @@ def test_defaults_apply_what_the_model_has_and_say_what_they_left(family, caplog
         assert sum(isinstance(model.get_submodule(n), act.SeededDropout) for n in names) == 7
         assert "mlp" in lines[0].split("left")[1] and "rmsnorm" in lines[0].split("left")[1]
     model(**batch()).loss.backward()  # trains
+
+
+@pytest.mark.parametrize("build, applies", [
+    (lambda: tiny_llama(), False),  # SDPA, no attention dropout, Q/K/V kept either way
+    (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)), True),
+    (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")), True),
+    (lambda: tiny_gpt2(dropout=0.1), True),  # GPT-2 as it ships: attention dropout 0.1
+    (lambda: tiny_gpt2(), False),
+    (tiny_bert, True),  # BERT's Q, K, V are made again from the block's input
+])
+def test_default_attention_applies_where_it_saves(build, applies):
+    """The default recompute applies where the model's attention keeps probabilities (eager, or
+    attention dropout) or its Q, K, V can be made again; asked for, it applies anyway."""
+    model = build()
+    impl = model.config._attn_implementation
+    names = patch_activations(model)
+    assert (model.config._attn_implementation == act.ATTENTION_NAME) == applies, impl
+    unpatch_activations(model)
+    assert model.config._attn_implementation == impl
+    patch_activations(model, attention="recompute")
+    assert model.config._attn_implementation == act.ATTENTION_NAME
+    unpatch_activations(model)
+    assert names is not None
 
 
 @pytest.mark.parametrize("family, kwargs, option", [
@@ -164,7 +193,7 @@ def test_grouped_heads_patch_and_train():
     patching) while grouped K/V heads were not supported."""
     model = tiny_llama(kv_heads=1)
     ref = copy.deepcopy(model)
-    patch_activations(model, dropout="stored", gelu_bits=None)
+    patch_activations(model, dropout="stored", gelu_bits=None, attention="recompute")
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
 
 
@@ -178,7 +207,8 @@ def test_grouped_heads_patch_and_train():
 def test_exact_parts_give_the_unpatched_gradients(family, mlp, checkpointing):
     model = MODELS[family]()
     ref = copy.deepcopy(model)
-    patch_activations(model, gelu_bits=None, **({"mlp": mlp} if family == "llama" else {}))
+    patch_activations(model, gelu_bits=None, attention="recompute",
+                      **({"mlp": mlp} if family == "llama" else {}))
     assert_same(loss_and_grads(model, batch(), checkpointing),
                 loss_and_grads(ref, batch(), checkpointing))
 
@@ -190,7 +220,8 @@ def test_autocast_bf16(family, mlp):
     loss and gradients agree to bf16 rounding."""
     model = MODELS[family]()
     ref = copy.deepcopy(model)
-    patch_activations(model, gelu_bits=None, **({"mlp": mlp} if family == "llama" else {}))
+    patch_activations(model, gelu_bits=None, attention="recompute",
+                      **({"mlp": mlp} if family == "llama" else {}))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = loss_and_grads(model, batch()), loss_and_grads(ref, batch())
     torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
@@ -219,7 +250,7 @@ def test_lora_llama_exact_and_reversible(mlp):
     model = get_peft_model(tiny_llama(), config)
     ref = copy.deepcopy(model)
     types = module_types(model)
-    names = patch_activations(model, gelu_bits=None, mlp=mlp)
+    names = patch_activations(model, gelu_bits=None, mlp=mlp, attention="recompute")
     patch_linear(model, "exact", rho=1.0, targets="lora_A")
     assert "base_model.model.lm_head" in names
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
