@@ -223,7 +223,10 @@ def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figure
         "off a front may be within its standard error of it. The three measurements come from three "
         "settings (the "
         "bytes and time on roberta-base, the scores on MiniLM); they are put side by side, not "
-        "combined.\n\n" + mt.describe(used)))
+        "combined. The compact points' bytes are those of patch_activations' defaults, LayerNorm "
+        "from its output included; their runs kept LayerNorm's input (activations=compact in the "
+        "pipeline), which gives the same gradients to float32 rounding.\n\n"
+        + mt.describe(used)))
     _figure(pts, figures / "frontier.png")
 
 
