@@ -215,11 +215,13 @@ def decoder_targets(d: Path, add) -> None:
     compact's step at most 1.10x exact's time."""
     size, lora, timed = (load(d, stem) for stem in DECODERS)
     for data, stem, name, lim in ((size, DECODERS[0], "compact", 0.55),
-                                  (lora, DECODERS[1], "lora+ours+compact", 0.30)):
+                                  (lora, DECODERS[1], "lora+ours+compact", 0.30),
+                                  (lora, DECODERS[1], "lora+ours+compact(mlp=input)", 0.30)):
         rows = (data or {}).get("results", {}).get("llama", {})
         if name in rows:
             r = rows[name]["saved_bytes"] / rows["exact"]["saved_bytes"]
-            add(f"Llama shape, saved bytes, {name.replace('+', ' + ')} (defaults) / exact",
+            label = name.replace("+", " + ").replace("(", " (")
+            add(f"Llama shape, saved bytes, {label}{'' if '(' in name else ' (defaults)'} / exact",
                 bu.r3(r), f"<= {lim}", r <= lim, stem)
     rows = (timed or {}).get("results", {}).get("llama", {})
     mlp = inspect.signature(patch_activations).parameters["mlp"].default

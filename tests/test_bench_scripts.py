@@ -410,6 +410,25 @@ def test_memory_table_bad_input_fails_before_work(tmp_path, bad, message):
     assert not any(tmp_path.iterdir())
 
 
+def test_bits_cost_quick(tmp_path):
+    """Each phase of the b-bit coding timed beside the whole quantize call and the dW product."""
+    run_script(py("bits_cost.py", "--quick", "--threads", "1", "--out-dir", str(tmp_path)), tmp_path)
+    data = json.loads((tmp_path / "bits_cost_quick.json").read_text())
+    assert set(data["results"]) == {"int8", "int4", "int2"}
+    for stats in data["results"].values():
+        assert set(stats) == set(bc_phases()) and stats["quantize"]["ratio"] == 1.0
+        assert all(s["median_s"] > 0 for s in stats.values())
+
+
+def bc_phases():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bits_cost import PHASES
+    finally:
+        sys.path.pop(0)
+    return PHASES
+
+
 def test_gelu_bits_quick(tmp_path):
     """The GELU-code study runs through the real autograd function of CompactGELU."""
     run_script(py("gelu_bits.py", "--quick", "--threads", "1", "--out-dir", str(tmp_path)), tmp_path)

@@ -355,12 +355,15 @@ _ATTENTION_DROPOUT = ("attention_dropout", "attention_probs_dropout_prob", "attn
 
 
 def _attention_keeps_no_probabilities(model: nn.Module) -> str | None:
-    """Why the default ``attention="recompute"`` would save nothing on ``model``, or None where it
-    saves: its attention already keeps no probabilities (an SDPA or flash implementation with no
-    attention dropout: it keeps Q, K, V and the output, as the recompute does) and its Q, K, V
-    cannot be made again from the block's input (no BERT-style ``query``/``key``/``value``).
-    There the recompute only adds time (measured on a Llama shape on CPU: about 7% of a step for
-    0.1% of the saved bytes), so the default leaves it; asked for explicitly, it applies."""
+    """Why the default ``attention="recompute"`` is left on ``model``, or None where it applies:
+    its attention already keeps no probabilities (an SDPA or flash implementation with no
+    attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
+    be made again from the block's input (no BERT-style ``query``/``key``/``value``). There the
+    recompute saves only the attention's output, and only where the output projection does not
+    keep it anyway (a sketched or LoRA ``o_proj``), for a second pass over the attention in
+    backward (on a Llama shape on CPU: nothing with exact linear layers, 4% of exact's saved bytes
+    with ours at rho 0.1, for about 7% of a step), so the default leaves it; asked for, it
+    applies."""
     config = _attention_owner(model).config
     impl = getattr(config, "_attn_implementation", None)
     if impl is None or impl == "eager":
@@ -370,9 +373,9 @@ def _attention_keeps_no_probabilities(model: nn.Module) -> str | None:
     if not rates or any(r > 0 for r in rates) or any(act.has_projections(m)
                                                       for m in model.modules()):
         return None
-    return (f"its {impl} attention has no dropout, so it keeps no probabilities (Q, K, V and the "
-            f"output, as the recompute would): recomputing would add time and save nothing; "
-            f"pass attention='recompute' to apply it anyway")
+    return (f"its {impl} attention has no dropout, so it keeps no probabilities: recomputing "
+            f"would save at most its output, for a second pass in backward; pass "
+            f"attention='recompute' to apply it anyway")
 
 
 def _patterns(targets, exclude) -> str:
@@ -414,9 +417,10 @@ def patch_activations(
             dropout mask are recomputed in backward, and Q, K, V too, from the self-attention
             block's input, where its projections are linear layers of BERT's naming; grouped
             key/value heads are kept unrepeated; exact) or ``"stored"``. Left to its default,
-            it is applied only where it saves something: not to a model whose SDPA or flash
-            attention has no dropout and whose Q, K, V are not BERT-style projections (a
-            Llama fine-tuned without attention dropout), which keeps no probabilities anyway.
+            it is left on a model whose SDPA or flash attention has no dropout and whose Q, K,
+            V are not BERT-style projections (a Llama fine-tuned without attention dropout):
+            that attention keeps no probabilities, and recomputing would save at most its
+            output, for a second pass in backward.
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
             :class:`~sketchprop.decoder.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
