@@ -104,6 +104,16 @@ def git_commit() -> str | None:
         return None
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (the run measured uncommitted code)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(dev: torch.device) -> dict:
     env = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
@@ -115,6 +125,7 @@ def environment(dev: torch.device) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "loadavg_start": [round(v, 2) for v in os.getloadavg()],
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
@@ -235,7 +246,8 @@ def write_outputs(stem: str, payload: dict, tables: str, out_dir: str | os.PathL
         f"torch {env.get('torch')}, "
         f"{env.get('torch_threads')} torch threads, load average at start/end "
         f"{env.get('loadavg_start')} / {env.get('loadavg_end')}, {env.get('time')}, "
-        f"commit {env.get('git_commit')}.\n\n"
+        f"commit {env.get('git_commit')}"
+        f"{' with uncommitted changes' if env.get('git_dirty') else ''}.\n\n"
     )
     for suffix, text in ((".json", json.dumps(payload, indent=1, default=str)),
                          (".md", header + tables + "\n")):

@@ -34,8 +34,8 @@ the range; 0 skips timing.
         --methods "exact,compact,compact(attention=stored),ours+compact" --tag _gpt2
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 8 \
         --methods "exact,lora,lora+ours+compact" --tag _gpt2_lora
-    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 4 --time-steps 4 \
-        --methods "exact,compact" --tag _gpt2_time
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 4 --time-steps 5 \
+        --methods "exact,compact,ours+compact,lora,lora+ours+compact" --tag _gpt2_time
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
 """
 
@@ -250,6 +250,8 @@ def main(argv=None) -> None:
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     bu.add_threads_arg(p)
     args = p.parse_args(argv)
+    if "exact" not in bu.parse_list(args.methods):
+        p.error("--methods must include exact: every ratio is to it")
     if args.quick:
         args.batch, args.length = 2, 16
     dev = bu.setup_device("cpu", args.threads)

@@ -117,6 +117,12 @@ def test_defaults_apply_what_the_model_has_and_say_what_they_left(family, caplog
     model(**batch()).loss.backward()  # trains
 
 
+def _with_module_dropout(model):
+    """A model whose config says 0 but one attention module drops (a sub-model's own key)."""
+    model.model.layers[0].self_attn.attention_dropout = 0.1
+    return model
+
+
 @pytest.mark.parametrize("build, applies", [
     (lambda: tiny_llama(), False),  # SDPA, no attention dropout, Q/K/V kept either way
     (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
@@ -126,6 +132,7 @@ def test_defaults_apply_what_the_model_has_and_say_what_they_left(family, caplog
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")), True),
     (lambda: tiny_gpt2(dropout=0.1), True),  # GPT-2 as it ships: attention dropout 0.1
+    (lambda: _with_module_dropout(tiny_llama()), True),  # one attention module's own rate
     (lambda: tiny_gpt2(), False),
     (tiny_bert, True),  # BERT's Q, K, V are made again from the block's input
 ])

@@ -354,13 +354,29 @@ _ATTENTION_DROPOUT = ("attention_dropout", "attention_probs_dropout_prob", "attn
                       "attn_dropout")
 
 
+def _attention_dropout_rates(config) -> list[float]:
+    """The attention-dropout rates a config gives, its sub-configs' (a vision or audio tower's)
+    included."""
+    rates, seen, todo = [], set(), [config]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        rates += [float(getattr(c, n)) for n in _ATTENTION_DROPOUT
+                  if isinstance(getattr(c, n, None), (int, float))]
+        todo += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    return rates
+
+
 def _attention_keeps_no_probabilities(model: nn.Module) -> str | None:
     """Why the default ``attention="recompute"`` is left on ``model``, or None where it applies:
     its attention already keeps no probabilities (an SDPA or flash implementation with no
     attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
     be made again from the block's input (no BERT-style ``query``/``key``/``value``). There the
-    recompute saves only the attention's output, and only where the output projection does not
-    keep it anyway (a sketched or LoRA ``o_proj``), for a second pass over the attention in
+    recompute saves only the attention's output, where the output projection does not keep it
+    anyway (a sketched or LoRA ``o_proj``), and in a padded batch the float mask SDPA keeps per
+    layer (the recompute keeps one boolean mask), for a second pass over the attention in
     backward (on a Llama shape on CPU: nothing with exact linear layers, 4% of exact's saved bytes
     with ours at rho 0.1, for about 7% of a step), so the default leaves it; asked for, it
     applies."""
@@ -368,14 +384,16 @@ def _attention_keeps_no_probabilities(model: nn.Module) -> str | None:
     impl = getattr(config, "_attn_implementation", None)
     if impl is None or impl == "eager":
         return None
-    rates = [getattr(config, n) for n in _ATTENTION_DROPOUT
-             if isinstance(getattr(config, n, None), (int, float))]
+    rates = _attention_dropout_rates(config)
+    # An attention module's own rate counts too: a sub-model's may come from a key of its own.
+    rates += [float(m.attention_dropout) for m in model.modules()
+              if isinstance(getattr(m, "attention_dropout", None), (int, float))]
     if not rates or any(r > 0 for r in rates) or any(act.has_projections(m)
                                                       for m in model.modules()):
         return None
     return (f"its {impl} attention has no dropout, so it keeps no probabilities: recomputing "
-            f"would save at most its output, for a second pass in backward; pass "
-            f"attention='recompute' to apply it anyway")
+            f"would save at most its output (and, in a padded batch, a float mask per layer), for "
+            f"a second pass in backward; pass attention='recompute' to apply it anyway")
 
 
 def _patterns(targets, exclude) -> str:
@@ -420,7 +438,8 @@ def patch_activations(
             it is left on a model whose SDPA or flash attention has no dropout and whose Q, K,
             V are not BERT-style projections (a Llama fine-tuned without attention dropout):
             that attention keeps no probabilities, and recomputing would save at most its
-            output, for a second pass in backward.
+            output and, in a padded batch, SDPA's per-layer float mask, for a second pass in
+            backward.
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
             :class:`~sketchprop.decoder.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
