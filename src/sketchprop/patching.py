@@ -369,7 +369,7 @@ def _attention_dropout_rates(config) -> list[float]:
     return rates
 
 
-def _attention_keeps_no_probabilities(model: nn.Module) -> str | None:
+def _attention_keeps_no_probabilities(model: nn.Module, owner: nn.Module) -> str | None:
     """Why the default ``attention="recompute"`` is left on ``model``, or None where it applies:
     its attention already keeps no probabilities (an SDPA or flash implementation with no
     attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
@@ -380,7 +380,7 @@ def _attention_keeps_no_probabilities(model: nn.Module) -> str | None:
     backward (on a Llama shape on CPU: nothing with exact linear layers, 4% of exact's saved bytes
     with ours at rho 0.1, for about 7% of a step), so the default leaves it; asked for, it
     applies."""
-    config = _attention_owner(model).config
+    config = owner.config  # owner: the transformers model whose attention function is switched
     impl = getattr(config, "_attn_implementation", None)
     if impl is None or impl == "eager":
         return None
@@ -564,9 +564,10 @@ def patch_activations(
             applied["lm_loss"] = 1
     if attention == "recompute":
         try:
-            reason = _attention_refusal(_attention_owner(model))
+            attention_owner = _attention_owner(model)
+            reason = _attention_refusal(attention_owner)
             if reason is None and not given["attention"]:
-                reason = _attention_keeps_no_probabilities(model)
+                reason = _attention_keeps_no_probabilities(model, attention_owner)
         except ValueError as err:
             if given["attention"]:
                 raise
