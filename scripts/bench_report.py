@@ -217,8 +217,7 @@ def decoder_targets(d: Path, add) -> None:
     compact's step at most 1.10x exact's time."""
     size, lora, timed = (load(d, stem) for stem in DECODERS)
     for data, stem, name, lim in ((size, DECODERS[0], "compact", 0.55),
-                                  (lora, DECODERS[1], "lora+ours+compact", 0.30),
-                                  (lora, DECODERS[1], "lora+ours+compact(mlp=input)", 0.30)):
+                                  (lora, DECODERS[1], "lora+ours+compact", 0.30)):
         rows = (data or {}).get("results", {}).get("llama", {})
         if name in rows:
             r = rows[name]["saved_bytes"] / rows["exact"]["saved_bytes"]

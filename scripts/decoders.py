@@ -11,10 +11,12 @@ inputs (transformers shifts them), CPU, SDPA attention as transformers picks it.
 - ``lora``: peft LoRA (r 8, alpha 16, no dropout) on every linear layer of the blocks, the rest
   frozen;
 - ``lora+ours+compact``: the same with ``patch_linear(targets="lora_A")`` (the adapters'
-  down-projections, the only layers that keep inputs) and ``patch_activations(model)``;
+  down-projections, the only layers that keep inputs) and ``patch_activations(model)`` (whose
+  default ``mlp="auto"`` keeps the gated MLP's input here, its gate and up weights being frozen);
 - ``...compact(key=value)``: ``patch_activations(model, key=value)``, one option changed from the
   defaults: ``mlp=input`` (the gated MLP keeps its input, backward makes the gate and up outputs
-  again), ``attention=recompute`` (applied even where the default leaves it), ``lm_loss=stored``.
+  again), ``mlp=recompute`` (it keeps the gate and up outputs), ``attention=recompute`` (applied
+  even where the default leaves it), ``lm_loss=stored``.
 
 Saved bytes: ``SavedTensorMeter`` around the forward (unique storages, parameters excluded); by op:
 the graph of the loss walked (``saved_tensors.saved_by_node``), each storage under the first node
@@ -26,9 +28,12 @@ the range; 0 skips timing.
     PYTHONPATH=src python scripts/decoders.py --architectures llama --methods \
         "exact,compact,compact(mlp=input),compact(attention=recompute),ours+compact" --tag _llama
     PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 8 \
-        --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=input)" --tag _llama_lora
+        --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute)" --tag _llama_lora
     PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 --time-steps 7 \
-        --methods "exact,compact,compact(lm_loss=stored),ours+compact,lora,lora+ours+compact" \
+        --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute)" \
+        --tag _llama_lora_time
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 --time-steps 7 \
+        --methods "exact,compact,compact(lm_loss=stored),ours+compact" \
         --tag _time
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
         --methods "exact,compact,compact(attention=stored),ours+compact" --tag _gpt2
@@ -59,7 +64,7 @@ from sketchprop import patch_activations, patch_linear  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 
 METHODS = ("exact", "compact", "compact(mlp=input)", "ours+compact", "lora", "lora+ours+compact",
-           "lora+ours+compact(mlp=input)")
+           "lora+ours+compact(mlp=recompute)")
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,7 @@ def test_gpt2_with_the_gelu_code_keeps_the_forward():
     assert got.keys() == want.keys() and all(torch.isfinite(g).all() for g in got.values())
 
 
-@pytest.mark.parametrize("mlp", ["recompute", "input"])
+@pytest.mark.parametrize("mlp", ["recompute", "input", "auto"])
 def test_lora_llama_exact_and_reversible(mlp):
     """peft LoRA on every projection, patch_linear's exact sketch on the adapters: their gradients
     are the unpatched model's; both undo. With ``mlp="input"`` the MLP keeps its input only."""
@@ -262,7 +262,7 @@ def test_lora_llama_exact_and_reversible(mlp):
     assert "base_model.model.lm_head" in names
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
     mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
-    if mlp == "input":  # the check passed: the gate and up outputs are made again from x
+    if mlp != "recompute":  # the check passed: the gate and up outputs are made again from x
         assert all(vars(m).get(dec._INPUT_CHECKED) is True for m in mlps)
         shapes = []
         with torch.autograd.graph.saved_tensors_hooks(
@@ -274,6 +274,39 @@ def test_lora_llama_exact_and_reversible(mlp):
     assert unpatch_activations(model) == names
     assert module_types(model) == types and not any(
         vars(m).keys() & {"forward", dec._INPUT_CHECKED} for m in model.modules())
+
+
+def _mlp_saved_shapes(model) -> set:
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        loss = model(**batch()).loss
+    loss.backward()
+    return set(shapes)
+
+
+def test_auto_mlp_keeps_the_input_where_gate_and_up_are_frozen(caplog):
+    """The default ``mlp="auto"`` keeps the gate and up outputs while their weights train, the
+    MLP's input once they are frozen (decided per call: freezing after patching counts), with the
+    unpatched model's gradients either way."""
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="sketchprop.patching"):
+        patch_activations(model, gelu_bits=None)
+    assert "mlp='auto' (2 modules; its input kept where the gate and up weights are frozen: 0 " \
+           "now)" in caplog.text
+    assert (3, 12, 48) in _mlp_saved_shapes(model)  # trainable: g and u kept
+    for m in (model, ref):
+        for layer in m.model.layers:
+            layer.mlp.gate_proj.weight.requires_grad_(False)
+            layer.mlp.up_proj.weight.requires_grad_(False)
+    assert (3, 12, 48) not in _mlp_saved_shapes(model)  # frozen: x kept, g and u made again
+    assert all(vars(layer.mlp).get(dec._INPUT_CHECKED) is True for layer in model.model.layers)
+    assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
+    for m in (model, ref):  # one trains again: that MLP keeps g and u again
+        m.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    assert (3, 12, 48) in _mlp_saved_shapes(model)
+    assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
 
 
 @pytest.mark.parametrize("family", MODELS)
@@ -437,7 +470,7 @@ def test_decoders_script_quick(tmp_path):
     for arch in ("gpt2", "llama"):
         rows = data["results"][arch]
         want = ["exact", "compact", "compact(mlp=input)", "ours+compact", "lora",
-                "lora+ours+compact", "lora+ours+compact(mlp=input)"]
+                "lora+ours+compact", "lora+ours+compact(mlp=recompute)"]
         assert list(rows) == [m for m in want if arch == "llama" or "mlp=" not in m]
         assert rows["compact"]["saved_bytes"] < rows["exact"]["saved_bytes"]
         assert "chunked loss" in rows["compact"]["by_op"]

@@ -313,7 +313,7 @@ class _Default:
 
 
 #: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.decoder`).
-MLP = ("stored", "recompute", "input")
+MLP = ("stored", "recompute", "input", "auto")
 RMSNORM = ("stored", "compact")
 LM_LOSS = ("stored", "chunked")
 #: The value that turns each part of :func:`patch_activations` off.
@@ -408,7 +408,7 @@ def patch_activations(
     gelu_bits: int | None = _Default(act.DEFAULT_GELU_BITS),
     gelu_code: str = _Default(act.DEFAULT_GELU_CODE),
     layernorm: str = _Default("output"),
-    mlp: str = _Default("recompute"),
+    mlp: str = _Default("auto"),
     rmsnorm: str = _Default("compact"),
     lm_loss: str = _Default("chunked"),
     targets: str | None = None,
@@ -453,7 +453,9 @@ def patch_activations(
             keeps the gate and up outputs only (:func:`~sketchprop.decoder.gated_mlp_forward`;
             exact); ``"input"``: it keeps its input only, and backward computes the gate and up
             projections again (:func:`~sketchprop.decoder.gated_mlp_input_forward`; exact; two
-            more matmuls per MLP: not the default); or ``"stored"``.
+            more matmuls per MLP); ``"auto"``: ``"input"`` where the gate and up projections'
+            full-size weights are frozen (LoRA: a step that stays under exact's time), else
+            ``"recompute"``, decided on each call; or ``"stored"``.
         rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
             row (:class:`~sketchprop.decoder.RMSNormFunction`; exact), or ``"stored"``.
         lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
@@ -500,6 +502,7 @@ def patch_activations(
     where = _patterns(targets, exclude)
     applied: dict[str, int] = {}
     left: dict[str, str] = {}
+    notes: dict[str, str] = {}
 
     def leave(part: str, reason: str) -> None:
         """A part that does not apply: an error where the caller asked for it, else a note."""
@@ -540,7 +543,8 @@ def patch_activations(
     for part, on, kind, what, forward in (
             ("mlp", mlp != "stored", dec.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
              "up_proj, down_proj)",
-             dec.gated_mlp_input_forward if mlp == "input" else dec.gated_mlp_forward),
+             {"input": dec.gated_mlp_input_forward, "recompute": dec.gated_mlp_forward,
+              "auto": dec.gated_mlp_auto_forward}.get(mlp)),
             ("rmsnorm", rmsnorm != "stored", dec.is_rms_norm, "Llama-form RMSNorm",
              dec.rms_norm_forward)):
         if on:
@@ -548,6 +552,10 @@ def patch_activations(
             forwards.update({n: (model.get_submodule(n), dec.bound(forward, model.get_submodule(n)))
                              for n in names})
             applied[part], selected = len(names), selected + len(names)
+            if part == "mlp" and mlp == "auto" and names:
+                frozen = sum(dec.frozen_projections(model.get_submodule(n)) for n in names)
+                notes["mlp"] = f"; its input kept where the gate and up weights are frozen: " \
+                               f"{frozen} now"
     if where and not selected:
         raise ValueError(f"targets={targets!r} exclude={exclude!r} match no module that "
                          "patch_activations replaces (dropout, GELU, LayerNorm, gated MLP, "
@@ -599,7 +607,8 @@ def patch_activations(
     setattr(model, _ACTIVATIONS, state)
     _swap(model, new)
     log.info("patch_activations(%s): applied %s; left %s", type(model).__name__,
-             ", ".join(f"{k}={values[k]!r} ({n} module{'s' * (n != 1)})" if k != "attention"
+             ", ".join(f"{k}={values[k]!r} ({n} module{'s' * (n != 1)}{notes.get(k, '')})"
+                       if k != "attention"
                        else f"attention={attention!r}" for k, n in applied.items() if n) or "none",
              "; ".join(f"{k} ({v})" for k, v in left.items()) or "nothing")
     return state["names"]
