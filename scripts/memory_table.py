@@ -58,6 +58,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import inspect
 import json
 import random
 import sys
@@ -69,7 +70,7 @@ import _benchutil as bu  # noqa: E402
 import bench_model as bm  # noqa: E402
 import torch  # noqa: E402
 
-from sketchprop import activations as act  # noqa: E402
+from sketchprop import patch_activations  # noqa: E402
 from sketchprop.layers import RandomizedLinear  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 from sketchprop.patching import find_linear  # noqa: E402
@@ -98,9 +99,12 @@ METHOD_KINDS = ("exact", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+
 SINGLE = ("exact", "ckpt", "compact", "lora", "lora+ckpt", *BITS_KINDS)  # one record per point
 PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  # one per rate
            "lora+ours", "lora+ours+compact")
-# patch_activations' defaults, written out so that each record says what it measured.
-COMPACT = {"dropout": "seeded", "attention": "recompute", "gelu_bits": act.DEFAULT_GELU_BITS,
-           "gelu_code": act.DEFAULT_GELU_CODE, "layernorm": "output"}
+# patch_activations' defaults for the parts roberta-base has (the decoder parts have nothing to
+# apply to), read from its signature and written into each record, so that a record says what it
+# measured and one measured under an older default is found stale.
+COMPACT = {k: getattr(v.default, "value", v.default)  # a default is wrapped to tell it from a value
+           for k, v in inspect.signature(patch_activations).parameters.items()
+           if k in ("dropout", "attention", "gelu_bits", "gelu_code", "layernorm")}
 # Record key of each part in a method's record.
 PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}
 # HF checkpointing as the memory table runs it (see the module docstring).
