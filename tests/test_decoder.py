@@ -2,6 +2,7 @@
 that fit the model, errors that name the option, the decoder parts (sketchprop.decoder) exact
 against the unpatched model (checkpointing, autocast, LoRA), unbiased where coded, reversible."""
 
+import contextlib
 import copy
 import logging
 
@@ -307,6 +308,76 @@ def test_auto_mlp_keeps_the_input_where_gate_and_up_are_frozen(caplog):
         m.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
     assert (3, 12, 48) in _mlp_saved_shapes(model)
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
+
+
+def _lora_gate_up(**extra):
+    """A tiny Llama with LoRA on the gate and up projections, and trainable embeddings, so that
+    what reaches the MLP needs a gradient."""
+    model = get_peft_model(tiny_llama(), LoraConfig(
+        task_type="CAUSAL_LM", r=2, lora_alpha=4, init_lora_weights=False,
+        target_modules=["gate_proj", "up_proj"], **extra))
+    model.get_input_embeddings().weight.requires_grad_(True)
+    return model
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_input_mlp_recomputes_what_forward_computed_whatever_changes_before_backward():
+    """Backward makes the gate and up outputs again as forward computed them: a forward with the
+    adapters disabled whose backward runs after they are on again, adapters merged, another
+    adapter (with LoRA dropout, which is not recomputed) made active, a hook added after the
+    first call: the unpatched model's gradients each time."""
+    model = _lora_gate_up()
+    model.add_adapter("dropping", LoraConfig(r=2, lora_alpha=4, lora_dropout=0.5,
+                                             target_modules=["gate_proj", "up_proj"]))
+    ref = copy.deepcopy(model)
+    patch_activations(model, dropout="stored", gelu_bits=None)
+    b = batch()
+
+    def step(m, disabled=False):
+        m.train()
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with m.disable_adapter() if disabled else contextlib.nullcontext():
+            loss = m(**b).loss
+        loss.backward()
+        return loss.detach(), _grads(m)
+
+    assert_same(step(model), step(ref))  # the first call checks the plans
+    assert_same(step(model, disabled=True), step(ref, disabled=True))
+    for m in (model, ref):
+        m.merge_adapter()
+    assert_same(step(model), step(ref))
+    for m in (model, ref):
+        m.unmerge_adapter()
+        m.set_adapter("dropping")
+    assert_same(step(model), step(ref))
+    for m in (model, ref):
+        m.set_adapter("default")
+        m.base_model.model.model.layers[0].mlp.gate_proj.register_forward_hook(
+            lambda mod, args, out: 2 * out)
+    with pytest.warns(UserWarning, match="mlp='input' keeps them"):
+        got = step(model)
+    assert_same(got, step(ref))
+
+
+def test_input_mlp_raises_when_a_weight_changes_in_place_before_backward():
+    model = _lora_gate_up()
+    patch_activations(model, gelu_bits=None)
+    loss = model(**batch()).loss
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].mlp.up_proj.lora_B["default"].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_auto_mlp_says_where_it_cannot_keep_the_input(caplog):
+    """LoRA dropout on the gate and up projections: their outputs are kept, and the log says so."""
+    with caplog.at_level(logging.INFO, logger="sketchprop.patching"):
+        patch_activations(_lora_gate_up(lora_dropout=0.1), gelu_bits=None)
+    assert "frozen: 0 now" in caplog.text
 
 
 @pytest.mark.parametrize("family", MODELS)

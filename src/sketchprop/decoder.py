@@ -11,10 +11,13 @@ backward needs; :func:`sketchprop.patch_activations` applies each part the model
   (:class:`SiluProduct`); where ``down`` is a trainable ``nn.Linear``, its input (that product) is
   made again too, for its weight gradient (:class:`GatedDown`). Exact: backward uses PyTorch's own
   ``silu_backward``. ``mlp="input"`` (:func:`gated_mlp_input_forward`) keeps the MLP's input only
-  and computes the gate and up projections again in backward, from their weights (``nn.Linear``,
-  ``RandomizedLinear``, peft LoRA layers of those; checked bit for bit on the first call): one
-  activation of the hidden size instead of two of the MLP's width, for two more matmuls per MLP.
-  Exact. ``mlp="auto"`` (the default, :func:`gated_mlp_auto_forward`) takes ``"input"`` where the
+  and computes the gate and up projections again in backward, from the weights forward used
+  (``nn.Linear``, ``RandomizedLinear``, peft LoRA layers of those without LoRA dropout, adapters on
+  and not merged; taken in forward, so adapters switched or disabled before backward do not
+  matter, and a weight changed in place raises; checked bit for bit on the first call and on
+  every call while hooks are on the projections; any other MLP keeps the gate and up outputs):
+  one activation of the hidden size instead of two of the MLP's width, for two more matmuls per
+  MLP. Exact. ``mlp="auto"`` (the default, :func:`gated_mlp_auto_forward`) takes ``"input"`` where the
   gate and up weights are frozen (LoRA) and ``"recompute"`` where they train. Why, measured on a
   Llama shape (hidden 768, MLP 2048, GQA 12/4, 4x256 tokens, CPU): with LoRA + sketch + compact,
   ``"input"`` keeps 0.28x exact's saved bytes against 0.47x, and its step takes 0.99x exact's
@@ -48,6 +51,7 @@ import inspect
 import math
 import re
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -76,6 +80,7 @@ __all__ = [
     "gated_mlp_input_forward",
     "gelu_tanh_derivative",
     "is_gated_mlp",
+    "keeps_input",
     "is_rms_norm",
     "is_tanh_gelu",
     "LMLossForward",
@@ -227,71 +232,115 @@ def is_gated_mlp(module: nn.Module) -> bool:
 _INPUT_CHECKED = "_sketchprop_projections_checked"
 
 
-def _output_value(module: nn.Module, x: Tensor) -> Tensor | None:
-    """``module(x)``'s value computed without calling the module (no seeds drawn, no state
-    touched), for an ``nn.Linear``, a :class:`~sketchprop.layers.RandomizedLinear` (whose output
-    is that ``F.linear``) and a peft LoRA ``Linear`` (plain LoRA, no dropout, not merged) built of
-    those; None for anything else."""
+def _projection_plan(module: nn.Module) -> tuple | None:
+    """How ``module(x)`` is computed, with the tensors it uses taken now: ``("linear", weight,
+    bias)`` for an ``nn.Linear`` or a :class:`~sketchprop.layers.RandomizedLinear` (whose output is
+    that ``F.linear``); ``("lora", base, adapters, cast)`` for a peft LoRA ``Linear`` built of those
+    (plain LoRA, no dropout, adapters on and not merged), ``adapters`` its active ones as ``(A, B,
+    scaling, A's dtype)``; None for anything else. Taken in forward, so that backward makes the
+    output again as forward computed it, whatever the module's adapters are set to by then."""
     pair = _linear_weights(module)
     if pair is not None:
-        return F.linear(x, *pair)
+        return ("linear", *pair)
     names = ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters")
     if not all(hasattr(module, n) for n in names) or getattr(module, "merged", True) \
             or getattr(module, "disable_adapters", True) or getattr(module, "lora_variant", None):
         return None
-    result = _output_value(module.base_layer, x)
-    if result is None:
-        return None
-    dtype = result.dtype
+    base = _projection_plan(module.base_layer)
+    adapters = []
     for name in module.active_adapters:
         if name not in module.lora_A.keys():
             continue
         if type(module.lora_dropout[name]) is not nn.Identity:
             return None
-        xa = module._cast_input_dtype(x, module.lora_A[name].weight.dtype)
-        a = _output_value(module.lora_A[name], xa)
-        b = None if a is None else _output_value(module.lora_B[name], a)
-        if b is None:
+        a, b = _projection_plan(module.lora_A[name]), _projection_plan(module.lora_B[name])
+        if a is None or b is None:
             return None
-        result = result + b * module.scaling[name]
+        adapters.append((a, b, module.scaling[name], module.lora_A[name].weight.dtype))
+    if base is None:
+        return None
+    return ("lora", base, tuple(adapters), getattr(module, "cast_input_dtype_enabled", True))
+
+
+def _plan_value(plan: tuple, x: Tensor) -> Tensor:
+    """The output a :func:`_projection_plan` describes, for input ``x`` (peft's arithmetic)."""
+    if plan[0] == "linear":
+        return F.linear(x, plan[1], plan[2])
+    _, base, adapters, cast = plan
+    result = _plan_value(base, x)
+    dtype = result.dtype
+    for a, b, scaling, a_dtype in adapters:
+        xa = x.to(a_dtype) if cast and x.dtype != a_dtype else x
+        result = result + _plan_value(b, _plan_value(a, xa)) * scaling
     return result.to(dtype)
+
+
+def _plan_tensors(plan: tuple) -> list[Tensor]:
+    """The weights and biases a plan uses (kept by backward to catch a change made in place)."""
+    if plan[0] == "linear":
+        return [t for t in plan[1:] if t is not None]
+    _, base, adapters, _ = plan
+    return [*_plan_tensors(base), *(t for a, b, _, _ in adapters
+                                    for t in (*_plan_tensors(a), *_plan_tensors(b)))]
 
 
 class GatedFromInput(torch.autograd.Function):
     """``silu(g) * u`` for ``g = gate(x)``, ``u = up(x)``, keeping ``x`` only: backward computes
-    ``g`` and ``u`` again from ``x`` (:func:`_output_value`, under the forward's autocast). The
+    ``g`` and ``u`` again from ``x`` by the plans taken in forward (:func:`_projection_plan`,
+    under the forward's autocast). The plans' weights are saved too (no copy), so a change made
+    to them in place between forward and backward raises, as it does for any saved tensor. The
     gradients reach ``gate`` and ``up`` through the graphs their own forward built."""
 
     @staticmethod
-    def forward(ctx, g: Tensor, u: Tensor, x: Tensor, mlp: nn.Module,
+    def forward(ctx, g: Tensor, u: Tensor, x: Tensor, plans: tuple,
                 autocast: torch.dtype | None) -> Tensor:
-        ctx.mlp, ctx.autocast = mlp, autocast
-        ctx.save_for_backward(x.detach())
+        ctx.plans, ctx.autocast = plans, autocast
+        ctx.save_for_backward(x.detach(), *(t for plan in plans for t in _plan_tensors(plan)))
         return F.silu(g) * u
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        (x,) = ctx.saved_tensors
+        x = ctx.saved_tensors[0]  # unpacking checks that no saved weight changed in place
         with torch.no_grad(), torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
                                              enabled=ctx.autocast is not None):
-            g = _output_value(ctx.mlp.gate_proj, x)
-            u = _output_value(ctx.mlp.up_proj, x)
+            g, u = (_plan_value(plan, x) for plan in ctx.plans)
         dg = torch.ops.aten.silu_backward(dy * u, g) if ctx.needs_input_grad[0] else None
         du = dy * F.silu(g) if ctx.needs_input_grad[1] else None
         return dg, du, None, None, None
 
 
-def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor) -> bool:
-    """Whether ``mlp``'s gate and up outputs can be made again from ``x``: checked once per module
-    (one extra projection, the first time), bit for bit; a module that fails keeps g and u."""
+def _hooked(mlp: nn.Module) -> bool:
+    """Whether hooks may change what the gate or up projection returns in this call: a forward
+    hook or pre-hook on either (or on a module inside it), or a global one."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks) or any(
+        m._forward_pre_hooks or m._forward_hooks
+        for proj in (mlp.gate_proj, mlp.up_proj) for m in proj.modules())
+
+
+def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor, plans: tuple) -> bool:
+    """Whether ``mlp``'s gate and up outputs are made again from ``x`` by ``plans``, bit for bit:
+    checked on the first call (one extra projection) and on every call while hooks may change the
+    outputs; a module that fails keeps g and u from then on, with a warning."""
     checked = mlp.__dict__.get(_INPUT_CHECKED)
-    if checked is None:
+    if checked is None or (checked and _hooked(mlp)):
         with torch.no_grad():
-            again = [_output_value(mlp.gate_proj, x), _output_value(mlp.up_proj, x)]
-        checked = all(a is not None and torch.equal(a, b) for a, b in zip(again, (g, u),
-                                                                          strict=True))
+            checked = all(torch.equal(_plan_value(plan, x), t)
+                          for plan, t in zip(plans, (g, u), strict=True))
         mlp.__dict__[_INPUT_CHECKED] = checked
+        if not checked:
+            warnings.warn(f"{type(mlp).__name__}'s gate and up outputs are not its projections of "
+                          "its input; mlp='input' keeps them for this module", stacklevel=3)
     return checked
+
+
+def keeps_input(mlp: nn.Module) -> bool:
+    """Whether ``mlp="auto"`` keeps this gated MLP's input now: its gate and up weights frozen and
+    both projections plain or LoRA linear layers that can be made again (no LoRA dropout, adapters
+    on and not merged)."""
+    return frozen_projections(mlp) and None not in (_projection_plan(mlp.gate_proj),
+                                                    _projection_plan(mlp.up_proj))
 
 
 def forget_mlp_check(module: nn.Module) -> None:
@@ -303,10 +352,12 @@ def gated_mlp_input_forward(self: nn.Module, x: Tensor) -> Tensor:
     the gate and up projections again (two more matmuls of the MLP's width per token); where they
     cannot be made again bit for bit, :func:`gated_mlp_forward`'s."""
     g, u = self.gate_proj(x), self.up_proj(x)
-    if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)) \
-            or not _recomputable(self, x, g, u):
+    if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
         return _gated_rest(self, g, u)
-    return self.down_proj(GatedFromInput.apply(g, u, x, self, _autocast_dtype(x)))
+    plans = (_projection_plan(self.gate_proj), _projection_plan(self.up_proj))
+    if None in plans or not _recomputable(self, x, g, u, plans):
+        return _gated_rest(self, g, u)
+    return self.down_proj(GatedFromInput.apply(g, u, x, plans, _autocast_dtype(x)))
 
 
 def _gated_rest(self: nn.Module, g: Tensor, u: Tensor) -> Tensor:

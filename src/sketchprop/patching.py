@@ -455,7 +455,9 @@ def patch_activations(
             projections again (:func:`~sketchprop.decoder.gated_mlp_input_forward`; exact; two
             more matmuls per MLP); ``"auto"``: ``"input"`` where the gate and up projections'
             full-size weights are frozen (LoRA: a step that stays under exact's time), else
-            ``"recompute"``, decided on each call; or ``"stored"``.
+            ``"recompute"``, decided on each call (an MLP whose gate or up projection is not a
+            plain or LoRA linear layer, or has LoRA dropout, keeps the gate and up outputs under
+            ``"input"`` too); or ``"stored"``.
         rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
             row (:class:`~sketchprop.decoder.RMSNormFunction`; exact), or ``"stored"``.
         lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
@@ -553,7 +555,7 @@ def patch_activations(
                              for n in names})
             applied[part], selected = len(names), selected + len(names)
             if part == "mlp" and mlp == "auto" and names:
-                frozen = sum(dec.frozen_projections(model.get_submodule(n)) for n in names)
+                frozen = sum(dec.keeps_input(model.get_submodule(n)) for n in names)
                 notes["mlp"] = f"; its input kept where the gate and up weights are frozen: " \
                                f"{frozen} now"
     if where and not selected:
