@@ -38,7 +38,7 @@ declare -A RUNS=(
     [gelu_bits]="scripts/gelu_bits.py --threads $T"
     [equal_bytes]="scripts/equal_bytes.py --threads $T"
     [decoders_llama]="scripts/decoders.py --architectures llama --methods exact,compact,compact(mlp=input),compact(attention=recompute),ours+compact --threads $T --tag _llama"
-    [decoders_llama_lora]="scripts/decoders.py --architectures llama --batch 8 --methods exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute) --threads $T --tag _llama_lora"
+    [decoders_llama_lora]="scripts/decoders.py --architectures llama --batch 16 --methods exact,lora,lora+ours+compact --threads $T --tag _llama_lora"
     [decoders_time]="scripts/decoders.py --architectures llama --batch 4 --methods exact,compact,compact(lm_loss=stored),ours+compact --time-steps 7 --threads $T --tag _time"
     [decoders_llama_lora_time]="scripts/decoders.py --architectures llama --batch 4 --methods exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute) --time-steps 7 --threads $T --tag _llama_lora_time"
     [decoders_gpt2]="scripts/decoders.py --architectures gpt2 --methods exact,compact,compact(attention=stored),ours+compact --threads $T --tag _gpt2"

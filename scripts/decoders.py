@@ -27,8 +27,8 @@ the range; 0 skips timing.
 
     PYTHONPATH=src python scripts/decoders.py --architectures llama --methods \
         "exact,compact,compact(mlp=input),compact(attention=recompute),ours+compact" --tag _llama
-    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 8 \
-        --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute)" --tag _llama_lora
+    PYTHONPATH=src python scripts/decoders.py --architectures llama \
+        --methods "exact,lora,lora+ours+compact" --tag _llama_lora
     PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 --time-steps 7 \
         --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute)" \
         --tag _llama_lora_time
