@@ -37,7 +37,7 @@ the range; 0 skips timing.
         --tag _time
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
         --methods "exact,compact,compact(attention=stored),ours+compact" --tag _gpt2
-    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 8 \
         --methods "exact,lora,lora+ours+compact" --tag _gpt2_lora
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 4 --time-steps 5 \
         --methods "exact,compact,ours+compact,lora,lora+ours+compact" --tag _gpt2_time
