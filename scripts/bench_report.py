@@ -17,7 +17,6 @@ benchmark scripts wrote (``results/bench/*.json``). Blocks:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
-from sketchprop import patch_activations  # noqa: E402
+from sketchprop.patching import activation_defaults  # noqa: E402
 
 LAYER = "layer_cpu"
 # Model runs, in order of preference for the saved-bytes numbers (all runs measure them identically).
@@ -225,8 +224,7 @@ def decoder_targets(d: Path, add) -> None:
             add(f"Llama shape, saved bytes, {label}{'' if '(' in name else ' (defaults)'} / exact",
                 bu.r3(r), f"<= {lim}", r <= lim, stem)
     rows = (timed or {}).get("results", {}).get("llama", {})
-    mlp = inspect.signature(patch_activations).parameters["mlp"].default
-    mlp = getattr(mlp, "value", mlp)  # a default is wrapped to tell it from an explicit value
+    mlp = activation_defaults()["mlp"]
     for name in ("compact", f"compact(mlp={mlp})"):  # the defaults, by either name
         if "time_ratios" in rows.get(name, {}):
             rs = sorted(rows[name]["time_ratios"])

@@ -58,7 +58,6 @@ import argparse
 import contextlib
 import copy
 import gc
-import inspect
 import json
 import random
 import sys
@@ -70,10 +69,9 @@ import _benchutil as bu  # noqa: E402
 import bench_model as bm  # noqa: E402
 import torch  # noqa: E402
 
-from sketchprop import patch_activations  # noqa: E402
 from sketchprop.layers import RandomizedLinear  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
-from sketchprop.patching import find_linear  # noqa: E402
+from sketchprop.patching import activation_defaults, find_linear  # noqa: E402
 
 # Figure 3 runs CoLA from batch 8 up; its batch-256 point is Table 3's (make_tables.py joins them).
 # CoLA because its short sentences keep the exact model's 256-example batch within this machine's
@@ -100,10 +98,9 @@ SINGLE = ("exact", "ckpt", "compact", "lora", "lora+ckpt", *BITS_KINDS)  # one r
 PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  # one per rate
            "lora+ours", "lora+ours+compact")
 # patch_activations' defaults for the parts roberta-base has (the decoder parts have nothing to
-# apply to), read from its signature and written into each record, so that a record says what it
-# measured and one measured under an older default is found stale.
-COMPACT = {k: getattr(v.default, "value", v.default)  # a default is wrapped to tell it from a value
-           for k, v in inspect.signature(patch_activations).parameters.items()
+# apply to), written into each record, so that a record says what it measured and one measured
+# under an older default is found stale.
+COMPACT = {k: v for k, v in activation_defaults().items()
            if k in ("dropout", "attention", "gelu_bits", "gelu_code", "layernorm")}
 # Record key of each part in a method's record.
 PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}

@@ -248,6 +248,16 @@ def test_gpt2_with_the_gelu_code_keeps_the_forward():
     assert got.keys() == want.keys() and all(torch.isfinite(g).all() for g in got.values())
 
 
+def _mlp_saved_shapes(model) -> set:
+    """The shapes of what one forward saves for backward (then runs the backward)."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        loss = model(**batch()).loss
+    loss.backward()
+    return set(shapes)
+
+
 @pytest.mark.parametrize("mlp", ["recompute", "input", "auto"])
 def test_lora_llama_exact_and_reversible(mlp):
     """peft LoRA on every projection, patch_linear's exact sketch on the adapters: their gradients
@@ -265,25 +275,12 @@ def test_lora_llama_exact_and_reversible(mlp):
     mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
     if mlp != "recompute":  # the check passed: the gate and up outputs are made again from x
         assert all(vars(m).get(dec._INPUT_CHECKED) is True for m in mlps)
-        shapes = []
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
-            loss = model(**batch()).loss
+        shapes = _mlp_saved_shapes(model)
         assert (3, 12, 32) in shapes and (3, 12, 48) not in shapes  # x kept, not g or u
-        loss.backward()
     unpatch_linear(model)
     assert unpatch_activations(model) == names
     assert module_types(model) == types and not any(
         vars(m).keys() & {"forward", dec._INPUT_CHECKED} for m in model.modules())
-
-
-def _mlp_saved_shapes(model) -> set:
-    shapes = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
-        loss = model(**batch()).loss
-    loss.backward()
-    return set(shapes)
 
 
 def test_auto_mlp_keeps_the_input_where_gate_and_up_are_frozen(caplog):

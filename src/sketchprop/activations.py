@@ -437,17 +437,22 @@ def forget_attention_check(module: nn.Module) -> None:
     module.__dict__.pop(_CHECKED, None)
 
 
+def forward_hooks_on(modules) -> bool:
+    """Whether a forward hook or pre-hook may act on any of ``modules`` in this call: one of their
+    own, or a global one."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks) or any(
+        m._forward_pre_hooks or m._forward_hooks for m in modules)
+
+
 def _hooked(module: nn.Module) -> bool:
     """Whether hooks may change what reaches or leaves the projections in this call: a forward
     hook on a projection, a global forward hook, or a pre-hook on ``module`` besides
     :func:`keep_attention_input` (one added after it sees, and may change, the input after it
     was kept)."""
-    from torch.nn.modules import module as nn_module
-
-    return (len(module._forward_pre_hooks) > 1
-            or bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
-            or any(m._forward_pre_hooks or m._forward_hooks
-                   for m in (getattr(module, n) for n in _PROJECTIONS)))
+    return len(module._forward_pre_hooks) > 1 or forward_hooks_on(
+        getattr(module, n) for n in _PROJECTIONS)
 
 
 def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:

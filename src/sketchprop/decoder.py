@@ -64,6 +64,7 @@ from .activations import (
     CompactGELU,
     GeluCode,
     _linear_weights,
+    forward_hooks_on,
     gelu_derivative,
 )
 
@@ -247,6 +248,8 @@ def _projection_plan(module: nn.Module) -> tuple | None:
             or getattr(module, "disable_adapters", True) or getattr(module, "lora_variant", None):
         return None
     base = _projection_plan(module.base_layer)
+    if base is None:
+        return None
     adapters = []
     for name in module.active_adapters:
         if name not in module.lora_A.keys():
@@ -257,8 +260,6 @@ def _projection_plan(module: nn.Module) -> tuple | None:
         if a is None or b is None:
             return None
         adapters.append((a, b, module.scaling[name], module.lora_A[name].weight.dtype))
-    if base is None:
-        return None
     return ("lora", base, tuple(adapters), getattr(module, "cast_input_dtype_enabled", True))
 
 
@@ -309,22 +310,13 @@ class GatedFromInput(torch.autograd.Function):
         return dg, du, None, None, None
 
 
-def _hooked(mlp: nn.Module) -> bool:
-    """Whether hooks may change what the gate or up projection returns in this call: a forward
-    hook or pre-hook on either (or on a module inside it), or a global one."""
-    from torch.nn.modules import module as nn_module
-
-    return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks) or any(
-        m._forward_pre_hooks or m._forward_hooks
-        for proj in (mlp.gate_proj, mlp.up_proj) for m in proj.modules())
-
-
 def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor, plans: tuple) -> bool:
     """Whether ``mlp``'s gate and up outputs are made again from ``x`` by ``plans``, bit for bit:
     checked on the first call (one extra projection) and on every call while hooks may change the
     outputs; a module that fails keeps g and u from then on, with a warning."""
     checked = mlp.__dict__.get(_INPUT_CHECKED)
-    if checked is None or (checked and _hooked(mlp)):
+    if checked is None or (checked and forward_hooks_on(
+            m for proj in (mlp.gate_proj, mlp.up_proj) for m in proj.modules())):
         with torch.no_grad():
             checked = all(torch.equal(_plan_value(plan, x), t)
                           for plan, t in zip(plans, (g, u), strict=True))

@@ -31,7 +31,8 @@ from .tracking import select_layers
 from .variance import VarianceTracker, estimator_design
 
 __all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "RMSNORM", "patch_linear",
-           "unpatch_linear", "find_linear", "patch_activations", "unpatch_activations"]
+           "unpatch_linear", "find_linear", "patch_activations", "unpatch_activations",
+           "activation_defaults"]
 
 log = logging.getLogger(__name__)
 
@@ -614,6 +615,13 @@ def patch_activations(
                        else f"attention={attention!r}" for k, n in applied.items() if n) or "none",
              "; ".join(f"{k} ({v})" for k, v in left.items()) or "nothing")
     return state["names"]
+
+
+def activation_defaults() -> dict[str, object]:
+    """:func:`patch_activations`' default for each of its options that has one (``dropout`` to
+    ``lm_loss``), as plain values."""
+    return {k: p.default.value for k, p in inspect.signature(patch_activations).parameters.items()
+            if isinstance(p.default, _Default)}
 
 
 def unpatch_activations(model: nn.Module) -> list[str]:
