@@ -307,8 +307,8 @@ def make_step(model, batch, opt):
 # ------------------------------------------------------------------------------------------ bytes
 
 def saved_bytes(model, batch, method) -> int:
-    """Bytes saved for backward by the forward pass of one training step (backward run after it:
-    a graph that is never backpropagated would keep what the meter's hooks saw alive)."""
+    """Bytes saved for backward by the forward pass of one training step (backward run after it,
+    as the step does)."""
     model.zero_grad(set_to_none=True)
     with Configured(model, method):
         with SavedTensorMeter(model) as meter, amp(model):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -181,6 +182,7 @@ def measure(shape: Shape, batch: int, length: int, methods, sketch: str, rho: fl
             loss = model(**data).loss
         entries = saved_by_node(loss, model.parameters())
         del loss
+        gc.collect()  # the graph's Python-level cycles (custom Functions' contexts) go now
         rows[method] = {"saved_bytes": meter.bytes, "by_op": by_op(entries)}
         print(f"{shape.arch} {method}: saved {meter.bytes / 2**20:.1f} MiB", flush=True)
         if time_steps:

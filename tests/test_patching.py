@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from sketchprop import RandomizedLinear, patch_linear, unpatch_linear
@@ -311,6 +312,28 @@ def test_meter_counts_a_freed_storage_whose_address_is_reused():
         ys = [x.exp() for _ in range(3)]
     assert meter.count == kept.count == 3 and meter.bytes == kept.bytes == 3 * 4000
     assert len(ys) == 3
+
+
+def test_meter_lets_a_graph_never_backpropagated_go():
+    """Dropping the loss of a metered forward frees what it saved, backward or not (the meter
+    must not hold a saved output by its own grad_fn)."""
+    x = torch.randn(1000, requires_grad=True)
+    with SavedTensorMeter() as meter:
+        y = x.exp()  # exp saves its output
+    kept = StorageWeakRef(y.untyped_storage())
+    del y
+    assert meter.bytes == 4000 and kept.expired()
+
+
+def test_meter_keeps_gradients_and_double_backward():
+    x = torch.randn(50, dtype=torch.double, requires_grad=True)
+    with SavedTensorMeter():
+        y = (x.exp() * x.sin()).sum()
+    g, = torch.autograd.grad(y, x, create_graph=True)
+    gg, = torch.autograd.grad(g.sum(), x)
+    e = x.detach().exp()
+    torch.testing.assert_close(g.detach(), e * (x.detach().sin() + x.detach().cos()))
+    torch.testing.assert_close(gg, 2 * e * x.detach().cos())
 
 
 # ---------------------------------------------------------------------------------------------

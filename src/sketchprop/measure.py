@@ -74,7 +74,13 @@ class SavedTensorMeter:
                     self.records.append((key[3], set()))
                 self.records[entry[1]][1].add(self.label)
         if not self.discard:
-            return t
+            # A tensor with history is kept as a detached alias: a saved output (``exp``'s, say)
+            # returned as is would hold its own grad_fn, a cycle through C++ that keeps the whole
+            # graph alive after the loss is dropped unless backward runs. Autograd re-attaches
+            # the history on unpack, so gradients (double backward included) are unchanged.
+            # Others are kept as they are, so what code finds again through a weak reference
+            # to the tensor (``share_inputs``' sketches) stays alive as it does unmetered.
+            return t.detach() if t.grad_fn is not None else t
         if self.label in self.keep_labels:
             self._kept.append(t)
         return None
