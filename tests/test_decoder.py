@@ -548,3 +548,64 @@ def test_decoders_script_quick(tmp_path):
         for r in rows.values():
             assert len(r["step_samples_s"]) == len(r["time_ratios"]) == 1
             assert r["time_ratio"] == r["step_samples_s"][0] / rows["exact"]["step_samples_s"][0]
+
+
+def _toy_sst2(root):
+    text = ["the film is a charming , funny ride", "a dull and lifeless story",
+            "one of the year 's best", "it never finds its footing", "warm , witty and wise"]
+    for split, n in (("train", 40), ("dev", 10)):
+        folder = root / "SST-2"
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = [f"{text[i % len(text)]} {i}\t{i % 2}" for i in range(n)]
+        (folder / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    return root
+
+
+def test_decoder_finetune_quick(tmp_path):
+    """scripts/decoder_finetune.py on a tiny random Llama: every method trains on the same batches
+    from the same weights; compact, being exact, follows exact's loss curve."""
+    import json
+
+    from test_bench_scripts import py, run_script
+
+    glue = _toy_sst2(tmp_path / "glue")
+    run_script(py("decoder_finetune.py", "--quick", "--threads", "1", "--glue-dir", str(glue),
+                  "--methods", "exact,compact,lora+ours+compact", "--out-dir", str(tmp_path),
+                  "--figure", str(tmp_path / "curves.png")), tmp_path)
+    data = json.loads((tmp_path / "decoder_finetune_quick.json").read_text())
+    rows = data["results"]
+    assert list(rows) == ["exact", "compact", "lora+ours+compact"]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    exact, compact, lora = rows["exact"], rows["compact"], rows["lora+ours+compact"]
+    assert len(exact["train_loss"]) == len(compact["train_loss"]) == 3
+    assert list(exact["dev_loss"]) == ["0", "2", "3"]
+    assert compact["saved_bytes"] < exact["saved_bytes"]
+    assert lora["trainable"] < exact["trainable"] == compact["trainable"]
+    assert compact["max_abs_loss_diff"] < 1e-4  # float rounding only
+    assert compact["train_loss"][0] == pytest.approx(exact["train_loss"][0], abs=1e-5)
+    # Training moves the weights: the held-out loss changes from step 0.
+    assert exact["dev_loss"]["3"] != exact["dev_loss"]["0"]
+
+
+def test_decoder_finetune_refuses_bad_input(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    from test_bench_scripts import ROOT, py
+
+    proc = subprocess.run(py("decoder_finetune.py", "--quick", "--methods", "exact,compactt"),
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "unknown method 'compactt'" in proc.stderr
+    spec = importlib.util.spec_from_file_location("decoder_finetune",
+                                                  ROOT / "scripts" / "decoder_finetune.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    with pytest.raises(mod.WeightsError, match="no such file"):
+        mod.gguf_path(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="SST-2/train.tsv"):
+        mod.sentences(str(tmp_path), "train")
