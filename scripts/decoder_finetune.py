@@ -257,7 +257,7 @@ def figure(payload: dict, path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="exact,compact")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
