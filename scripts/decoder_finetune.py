@@ -20,6 +20,7 @@ exact's, up to float rounding, and the largest step-wise loss difference is repo
 
     PYTHONPATH=src python scripts/decoder_finetune.py                # ~1 hour on two CPU cores
     PYTHONPATH=src python scripts/decoder_finetune.py --quick --out-dir /tmp/ft   # tiny random Llama
+    PYTHONPATH=src python scripts/decoder_finetune.py --replot results/bench/decoder_finetune.json
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
 import os
 import statistics
 import subprocess
@@ -222,31 +224,59 @@ def tables(payload: dict) -> str:
     return bu.fmt_table(head, lines, title=title) + "\n"
 
 
-def figure(payload: dict, path: Path) -> None:
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and up to ``window - 1`` before it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def figure(payload: dict, path: Path, window: int = 20) -> None:
+    """One panel per method (train loss per step, its running mean, dev loss), then the absolute
+    difference of each method's train loss from exact's, step by step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res = payload["results"]
-    fig, axes = plt.subplots(1, len(res), figsize=(5.2 * len(res), 3.8), sharey=True,
-                             squeeze=False)
-    for ax, (method, r) in zip(axes[0], res.items(), strict=True):
+    exact = res.get("exact")
+    others = [m for m in res if m != "exact"] if exact else []
+    n = len(res) + bool(others)
+    fig, axes = plt.subplots(1, n, figsize=(5.0 * n, 3.9), squeeze=False)
+    axes = axes[0]
+    for ax, (method, r) in zip(axes, res.items(), strict=False):
         steps = range(1, len(r["train_loss"]) + 1)
-        ax.plot(steps, r["train_loss"], lw=1, color="tab:blue", label="train loss")
+        ax.plot(steps, r["train_loss"], lw=0.6, color="tab:blue", alpha=0.35,
+                label="train loss (each step)")
+        ax.plot(steps, running_mean(r["train_loss"], window), lw=1.6, color="tab:blue",
+                label=f"train loss (mean of {window} steps)")
         dev = sorted((int(k), v) for k, v in r["dev_loss"].items())
         ax.plot([s for s, _ in dev], [v for _, v in dev], "o-", color="tab:red", ms=4,
                 label="dev loss")
         ax.set_title(f"{method}: saved {r['saved_bytes'] / 2**20:.0f} MiB"
-                     + (f", {r['time_ratio']:.2f}x exact's time" if "time_ratio" in r else ""),
-                     fontsize=9.5)
+                     + (f", {r['time_ratio']:.2f}x exact's step time" if "time_ratio" in r
+                        else ""), fontsize=9.5)
         ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats per token)")
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("cross-entropy (nats per token)")
-    axes[0][0].legend(fontsize=8.5)
+    axes[0].legend(fontsize=8)
+    if others:
+        ax = axes[-1]
+        for method in others:
+            diff = [abs(a - b) for a, b in zip(res[method]["train_loss"], exact["train_loss"],
+                                               strict=True)]
+            ax.plot(range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], lw=1, label=method)
+        ax.set_yscale("log")
+        ax.set_title("|train loss - exact's| at each step (floor 1e-9)", fontsize=9.5)
+        ax.set_xlabel("step")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     a = payload["args"]
     fig.suptitle(f"{payload['model']}: SST-2 sentences as text, {a['batch']} x {a['length']} "
-                 f"tokens per step, same seed and data order", fontsize=10.5)
+                 f"tokens per step, same weights, seed and data order", fontsize=10.5)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130, metadata={"Software": None})
@@ -274,8 +304,16 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny random Llama and 3 steps: seconds")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the output files' names")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only draw the figure (and print the table) from a JSON file this "
+                        "script wrote")
     bu.add_threads_arg(p)
     args = p.parse_args(argv)
+    if args.replot:
+        payload = json.loads(Path(args.replot).read_text())
+        figure(payload, Path(args.figure or FIGURE))
+        print(tables(payload))
+        return
     args.methods = bu.parse_list(args.methods)
     try:
         check_methods(args.methods)

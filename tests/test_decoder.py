@@ -585,6 +585,10 @@ def test_decoder_finetune_quick(tmp_path):
     assert compact["train_loss"][0] == pytest.approx(exact["train_loss"][0], abs=1e-5)
     # Training moves the weights: the held-out loss changes from step 0.
     assert exact["dev_loss"]["3"] != exact["dev_loss"]["0"]
+    # The figure is remade from the JSON file alone.
+    out = run_script(py("decoder_finetune.py", "--replot", str(tmp_path / "decoder_finetune_quick.json"),
+                        "--figure", str(tmp_path / "again.png")), tmp_path)
+    assert (tmp_path / "again.png").stat().st_size > 0 and "| lora+ours+compact |" in out
 
 
 def test_decoder_finetune_refuses_bad_input(tmp_path):
