@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 import torch  # noqa: E402
-from decoders import QUICK, build, check_methods, configure  # noqa: E402
+from decoders import QUICK, build, check_methods, configure, split_methods  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
@@ -129,6 +129,7 @@ def mean_loss(model, rows: torch.Tensor, batch: int) -> float:
 
 
 def run(args) -> dict:
+    texts = {split: sentences(args.glue_dir, split) for split in ("train", "dev")}  # before the model
     if args.quick:
         shape = QUICK["llama"]
         torch.manual_seed(0)
@@ -139,8 +140,10 @@ def run(args) -> dict:
         base, tok = load_smollm2(gguf_path(args.gguf))
         encode, eos = (lambda s: tok(s, add_special_tokens=False)["input_ids"]), tok.eos_token_id
         model_name = "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to float32)"
-    train = blocks(sentences(args.glue_dir, "train"), encode, eos, args.length)
-    dev = blocks(sentences(args.glue_dir, "dev"), encode, eos, args.length)[: args.eval_blocks]
+    train = blocks(texts["train"], encode, eos, args.length)
+    dev = blocks(texts["dev"], encode, eos, args.length)[: args.eval_blocks]
+    if not len(dev):
+        raise SystemExit(f"SST-2's dev text makes no block of {args.length} tokens")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     need = args.steps * args.batch
     if need > len(train):
@@ -192,8 +195,9 @@ def run(args) -> dict:
                                          zip(r["train_loss"], exact["train_loss"], strict=True))
             ratios = [a / b for a, b in zip(r["step_s"], exact["step_s"], strict=True)]
             r["time_ratio"] = statistics.median(ratios)
-            r["time_ratio_iqr"] = statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 \
-                else [ratios[0], ratios[0]]
+            # "inclusive": quartiles within the observed ratios, however few
+            r["time_ratio_iqr"] = statistics.quantiles(ratios, n=4, method="inclusive")[::2] \
+                if len(ratios) > 1 else [ratios[0], ratios[0]]
     return {"model": model_name, "train_blocks": len(train), "dev_blocks": len(dev),
             "results": rows}
 
@@ -311,21 +315,28 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.replot:
         payload = json.loads(Path(args.replot).read_text())
+        if not (args.figure or not payload["args"]["quick"]):
+            p.error("--replot of a --quick run needs --figure (the default is the committed "
+                    "figure's path)")
         figure(payload, Path(args.figure or FIGURE))
         print(tables(payload))
         return
-    args.methods = bu.parse_list(args.methods)
-    try:
-        check_methods(args.methods)
-    except ValueError as err:
-        p.error(str(err))
-    if args.quick:
-        args.steps, args.batch, args.length, args.eval_every, args.warmup = 3, 2, 16, 2, 1
     for name in ("steps", "batch", "length", "eval_every", "eval_blocks", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 < args.rho <= 1:
         p.error(f"--rho must be in (0, 1], got {args.rho}")
+    missing = [f"SST-2/{split}.tsv" for split in ("train", "dev")
+               if not (Path(args.glue_dir) / "SST-2" / f"{split}.tsv").is_file()]
+    if missing:
+        p.error(f"--glue-dir {args.glue_dir} lacks {', '.join(missing)}")
+    args.methods = split_methods(args.methods)
+    try:
+        check_methods(args.methods, ["llama"], args.sketch, args.rho)
+    except ValueError as err:
+        p.error(str(err))
+    if args.quick:
+        args.steps, args.batch, args.length, args.eval_every, args.warmup = 3, 2, 16, 2, 1
     dev = bu.setup_device("cpu", args.threads)
     env = bu.environment(dev)
     payload = {"environment": env, "args": vars(args), **run(args)}

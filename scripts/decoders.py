@@ -13,8 +13,8 @@ inputs (transformers shifts them), CPU, SDPA attention as transformers picks it.
 - ``lora+ours+compact``: the same with ``patch_linear(targets="lora_A")`` (the adapters'
   down-projections, the only layers that keep inputs) and ``patch_activations(model)`` (whose
   default ``mlp="auto"`` keeps the gated MLP's input here, its gate and up weights being frozen);
-- ``...compact(key=value)``: ``patch_activations(model, key=value)``, one option changed from the
-  defaults: ``mlp=input`` (the gated MLP keeps its input, backward makes the gate and up outputs
+- ``...compact(key=value,...)``: ``patch_activations(model, key=value, ...)``, options changed from
+  the defaults (every method is first applied to a tiny model, so a bad one fails at once): ``mlp=input`` (the gated MLP keeps its input, backward makes the gate and up outputs
   again), ``mlp=recompute`` (it keeps the gate and up outputs), ``attention=recompute`` (applied
   even where the default leaves it), ``lm_loss=stored``.
 
@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import re
 import statistics
 import sys
 import time
@@ -108,22 +109,51 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
                           "down_proj"]}
 
 
-def check_methods(methods: list[str]) -> None:
-    """Raise ValueError naming the first method with an unknown part (``+``-joined parts of
-    ``exact``, ``compact(key=value,...)``, ``ours``, ``lora``)."""
-    for method in methods:
-        bad = [p for p in method.split("+") if p.split("(")[0] not in ("exact", "compact", "ours",
-                                                                       "lora")]
-        if bad or ("(" in method and not method.endswith(")")):
-            raise ValueError(f"unknown method {method!r}: join exact, compact, ours and lora "
-                             f"with '+', options in compact(key=value), e.g. "
+def split_methods(text: str) -> list[str]:
+    """``--methods``: comma-separated methods; a comma inside ``compact(...)`` separates options."""
+    return [m.strip() for m in re.split(r",(?![^()]*\))", text) if m.strip()]
+
+
+def parse_method(method: str) -> tuple[list[str], dict[str, str]]:
+    """A method's parts (``+``-joined: ``exact``, ``compact``, ``ours``, ``lora``) and the
+    options of its ``compact(key=value,...)`` part; ValueError naming what is wrong."""
+    parts, options = [], {}
+    for part in method.split("+"):
+        m = re.fullmatch(r"(exact|compact|ours|lora)(?:\((.*)\))?", part)
+        if m is None:
+            raise ValueError(f"unknown method {method!r}: join exact, compact, ours and lora with "
+                             f"'+', options in compact(key=value,...), e.g. "
                              f"lora+ours+compact(mlp=recompute)")
+        name, opts = m.groups()
+        if opts is not None:
+            if name != "compact":
+                raise ValueError(f"method {method!r}: only compact takes options, not {name}")
+            for kv in opts.split(","):
+                key, eq, value = kv.partition("=")
+                if not (key and eq and value):
+                    raise ValueError(f"method {method!r}: {kv!r} is not key=value")
+                options[key] = value
+        parts.append(name)
+    return parts, options
+
+
+def check_methods(methods: list[str], archs: list[str], sketch: str, rho: float) -> None:
+    """Raise ValueError for the first method that cannot be set up: each is parsed and applied to a
+    tiny model of each architecture, before any real model is built or fetched."""
+    for method in methods:
+        parse_method(method)
+        for arch in archs:
+            if "mlp=" in method and arch != "llama":
+                continue
+            try:
+                configure(build(QUICK[arch], 16), arch, method, sketch, rho)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"method {method!r} on {arch}: {err}") from None
 
 
 def configure(model, arch: str, method: str, sketch: str, rho: float):
     """``model`` (a deep copy where LoRA wraps it) set up as ``method`` says."""
-    parts = [p.split("(")[0] for p in method.split("+")]
-    options = dict(kv.split("=") for kv in method.partition("(")[2].rstrip(")").split(",") if kv)
+    parts, options = parse_method(method)
     if "lora" in parts:
         from peft import LoraConfig, get_peft_model
 
@@ -269,10 +299,15 @@ def main(argv=None) -> None:
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     bu.add_threads_arg(p)
     args = p.parse_args(argv)
-    if "exact" not in bu.parse_list(args.methods):
+    args.methods = split_methods(args.methods)
+    if "exact" not in args.methods:
         p.error("--methods must include exact: every ratio is to it")
+    archs = bu.parse_list(args.architectures)
+    unknown = [a for a in archs if a not in SHAPES]
+    if unknown:
+        p.error(f"unknown architecture(s) {unknown}; choose from {list(SHAPES)}")
     try:
-        check_methods(bu.parse_list(args.methods))
+        check_methods(args.methods, archs, args.sketch, args.rho)
     except ValueError as err:
         p.error(str(err))
     if args.quick:
@@ -280,8 +315,7 @@ def main(argv=None) -> None:
     dev = bu.setup_device("cpu", args.threads)
     env = bu.environment(dev)
     shapes = QUICK if args.quick else SHAPES
-    archs = bu.parse_list(args.architectures)
-    results = {arch: measure(shapes[arch], args.batch, args.length, bu.parse_list(args.methods),
+    results = {arch: measure(shapes[arch], args.batch, args.length, args.methods,
                              args.sketch, args.rho, args.time_steps) for arch in archs}
     payload = {"environment": env, "args": vars(args),
                "shapes": {a: asdict(shapes[a]) for a in archs}, "results": results}

@@ -598,9 +598,14 @@ def test_decoder_finetune_refuses_bad_input(tmp_path):
 
     from test_bench_scripts import ROOT, py
 
-    proc = subprocess.run(py("decoder_finetune.py", "--quick", "--methods", "exact,compactt"),
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 2 and "unknown method 'compactt'" in proc.stderr
+    for args, message in ((["--methods", "exact,compactt"], "unknown method 'compactt'"),
+                          (["--methods", "exact,compact(mlp=bogus)"], "unknown mlp 'bogus'"),
+                          (["--methods", "exact,ours(rho=0.5)"], "only compact takes options"),
+                          (["--glue-dir", str(tmp_path)], "lacks SST-2/train.tsv, SST-2/dev.tsv"),
+                          (["--steps", "0"], "--steps must be at least 1")):
+        proc = subprocess.run(py("decoder_finetune.py", "--quick", *args), capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
     spec = importlib.util.spec_from_file_location("decoder_finetune",
                                                   ROOT / "scripts" / "decoder_finetune.py")
     mod = importlib.util.module_from_spec(spec)
@@ -613,3 +618,24 @@ def test_decoder_finetune_refuses_bad_input(tmp_path):
         mod.gguf_path(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="SST-2/train.tsv"):
         mod.sentences(str(tmp_path), "train")
+
+
+def test_decoders_method_names_parse():
+    import sys
+
+    from test_bench_scripts import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import decoders
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert decoders.split_methods("exact, compact(mlp=recompute,attention=stored),lora+ours") == [
+        "exact", "compact(mlp=recompute,attention=stored)", "lora+ours"]
+    assert decoders.parse_method("lora+ours+compact(mlp=input,lm_loss=stored)") == (
+        ["lora", "ours", "compact"], {"mlp": "input", "lm_loss": "stored"})
+    for bad, message in (("ours(rho=0.5)", "only compact takes options"),
+                         ("compact(mlp)", "is not key=value"), ("ours+", "unknown method"),
+                         ("compact(mlp=input", "unknown method")):
+        with pytest.raises(ValueError, match=message):
+            decoders.parse_method(bad)
