@@ -26,7 +26,6 @@ exact's, up to float rounding, and the largest step-wise loss difference is repo
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -154,8 +153,7 @@ def run(args) -> dict:
     models, opts, scheds, rows = {}, {}, {}, {}
     for method in args.methods:
         torch.manual_seed(args.seed)
-        model = configure(copy.deepcopy(base) if "lora" not in method else base, "llama", method,
-                          args.sketch, args.rho).train()
+        model = configure(base, "llama", method, args.sketch, args.rho).train()
         with SavedTensorMeter(model) as meter:
             model(input_ids=batches[0], labels=batches[0])
         params = [p for p in model.parameters() if p.requires_grad]

@@ -14,9 +14,10 @@ inputs (transformers shifts them), CPU, SDPA attention as transformers picks it.
   down-projections, the only layers that keep inputs) and ``patch_activations(model)`` (whose
   default ``mlp="auto"`` keeps the gated MLP's input here, its gate and up weights being frozen);
 - ``...compact(key=value,...)``: ``patch_activations(model, key=value, ...)``, options changed from
-  the defaults (every method is first applied to a tiny model, so a bad one fails at once): ``mlp=input`` (the gated MLP keeps its input, backward makes the gate and up outputs
-  again), ``mlp=recompute`` (it keeps the gate and up outputs), ``attention=recompute`` (applied
-  even where the default leaves it), ``lm_loss=stored``.
+  the defaults (every method is first applied to a tiny model, so a bad one fails at once):
+  ``mlp=input`` (the gated MLP keeps its input, backward makes the gate and up outputs again),
+  ``mlp=recompute`` (it keeps the gate and up outputs), ``attention=recompute`` (applied even
+  where the default leaves it), ``lm_loss=stored``.
 
 Saved bytes: ``SavedTensorMeter`` around the forward (unique storages, parameters excluded); by op:
 the graph of the loss walked (``saved_tensors.saved_by_node``), each storage under the first node
@@ -143,7 +144,7 @@ def check_methods(methods: list[str], archs: list[str], sketch: str, rho: float)
     for method in methods:
         parse_method(method)
         for arch in archs:
-            if "mlp=" in method and arch != "llama":
+            if not applies(method, arch):
                 continue
             try:
                 configure(build(QUICK[arch], 16), arch, method, sketch, rho)
@@ -151,13 +152,20 @@ def check_methods(methods: list[str], archs: list[str], sketch: str, rho: float)
                 raise ValueError(f"method {method!r} on {arch}: {err}") from None
 
 
-def configure(model, arch: str, method: str, sketch: str, rho: float):
-    """``model`` (a deep copy where LoRA wraps it) set up as ``method`` says."""
+def applies(method: str, arch: str) -> bool:
+    """Whether ``method`` can be measured on ``arch``: an ``mlp=`` option needs Llama's gated
+    MLP (GPT-2 has none)."""
+    return "mlp=" not in method or arch == "llama"
+
+
+def configure(base, arch: str, method: str, sketch: str, rho: float):
+    """A copy of ``base`` set up as ``method`` says (``base`` itself is left as it is)."""
     parts, options = parse_method(method)
+    model = copy.deepcopy(base)
     if "lora" in parts:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(copy.deepcopy(model), LoraConfig(
+        model = get_peft_model(model, LoraConfig(
             task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0,
             target_modules=LORA_TARGETS[arch], fan_in_fan_out=arch == "gpt2"))
     if "ours" in parts:
@@ -214,10 +222,9 @@ def measure(shape: Shape, batch: int, length: int, methods, sketch: str, rho: fl
     data = {"input_ids": ids, "labels": ids}
     rows, models = {}, {}
     for method in methods:
-        if "mlp=" in method and shape.arch != "llama":  # GPT-2 has no gated MLP
+        if not applies(method, shape.arch):
             continue
-        model = configure(copy.deepcopy(base) if "lora" not in method else base, shape.arch,
-                          method, sketch, rho)
+        model = configure(base, shape.arch, method, sketch, rho)
         model.train()
         torch.manual_seed(0)
         with SavedTensorMeter(model) as meter:
