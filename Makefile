@@ -36,7 +36,7 @@ mutants: install  ## plant one small bug at a time in a temp copy; fail if the t
 
 # make glue: each variable becomes a Hydra override only when given; the defaults (cola,
 # gaussian, rho 0.1, seed 1; the setup chosen for this machine) live in configs/ and
-# sketchprop.train.choose_setup. ARGS takes any other overrides.
+# sketchprop.glue.setup.choose_setup. ARGS takes any other overrides.
 SETUP  ?=
 TASK   ?=
 MODEL  ?=

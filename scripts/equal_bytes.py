@@ -56,8 +56,8 @@ import bench_model as bm  # noqa: E402
 import sketch_variance as sv  # noqa: E402
 import torch  # noqa: E402
 
-from sketchprop.config import TaskConfig  # noqa: E402
-from sketchprop.glue import SHIPPED_GLUE_DIR, read_tsv  # noqa: E402
+from sketchprop.glue.config import TaskConfig  # noqa: E402
+from sketchprop.glue.data import SHIPPED_GLUE_DIR, read_tsv  # noqa: E402
 from sketchprop.layers import DEFAULT_MIN_ROWS  # noqa: E402
 from sketchprop.quantize import DEFAULT_GROUP, quantize  # noqa: E402
 from sketchprop.sketches import SKETCHES, num_proj_rows  # noqa: E402

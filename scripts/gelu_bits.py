@@ -44,7 +44,7 @@ from torch import nn  # noqa: E402
 
 from sketchprop import activations as act  # noqa: E402
 from sketchprop import patch_activations  # noqa: E402
-from sketchprop.glue import SHIPPED_GLUE_DIR  # noqa: E402
+from sketchprop.glue.data import SHIPPED_GLUE_DIR  # noqa: E402
 
 CODES = ("stochastic", "optimal")
 

@@ -39,8 +39,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from sketchprop import RandomizedLinear, patch_linear  # noqa: E402
-from sketchprop.config import TaskConfig  # noqa: E402
-from sketchprop.glue import SHIPPED_GLUE_DIR, read_tsv  # noqa: E402
+from sketchprop.glue.config import TaskConfig  # noqa: E402
+from sketchprop.glue.data import SHIPPED_GLUE_DIR, read_tsv  # noqa: E402
 from sketchprop.measure import SavedTensorMeter  # noqa: E402
 from sketchprop.variance import expected_variance, importance_variance  # noqa: E402
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sketchprop.config import compose, validate
-from sketchprop.glue import glue_metrics, load_glue
+from sketchprop.glue.config import compose, validate
+from sketchprop.glue.data import glue_metrics, load_glue
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["cola", "sst2", "mrpc", "stsb", "rte"]

@@ -157,9 +157,9 @@ def lora_keys() -> dict:
 
 def with_lora(model, lora: dict):
     """``model`` as a peft LoRA model (in place: peft injects the adapters into its modules), the
-    way ``sketchprop.train.add_adapter`` makes it for ``adapter=lora``."""
-    from sketchprop.config import AdapterConfig, AdapterName
-    from sketchprop.train import add_adapter
+    way ``sketchprop.glue.model.add_adapter`` makes it for ``adapter=lora``."""
+    from sketchprop.glue.config import AdapterConfig, AdapterName
+    from sketchprop.glue.model import add_adapter
 
     return add_adapter(model, AdapterConfig(name=AdapterName.lora, **lora))
 

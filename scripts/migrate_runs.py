@@ -4,7 +4,7 @@
     python scripts/migrate_runs.py --check    # list what would change, change nothing
 
 A file named ``<sketch>-rho<rho>-seed<seed>.json`` without an ``identity`` key gets the identity
-that :func:`sketchprop.runs.identity` computes from its recorded config, and moves to
+that :func:`sketchprop.glue.runs.identity` computes from its recorded config, and moves to
 ``<sketch>-rho<rho>-seed<seed>-<recipe hash>.json`` (the name a run of that config files today, so
 a sweep skips it). Nothing else in the file changes. The data hash needs the TSV files the run
 read: the folder recorded in the config if it still exists, else the copy shipped in ``data/glue``
@@ -18,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from sketchprop import glue, runs
+from sketchprop.glue import data as glue
+from sketchprop.glue import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "glue"

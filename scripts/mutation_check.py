@@ -45,7 +45,7 @@ class Mutant:
 
 SK, FN, LY, PA, GL, VA, AL = ("src/sketchprop/sketches.py", "src/sketchprop/functional.py",
                               "src/sketchprop/layers.py", "src/sketchprop/patching.py",
-                              "src/sketchprop/glue.py", "src/sketchprop/variance.py",
+                              "src/sketchprop/glue/data.py", "src/sketchprop/variance.py",
                               "src/sketchprop/allocation.py")
 UNBIASED = "tests/test_layers.py::test_weight_gradient_unbiased"
 FAST_UNBIASED = "tests/test_bench_scripts.py::test_fast_path_unbiased"
@@ -298,8 +298,8 @@ MUTANTS: list[Mutant] = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# Run identity (src/sketchprop/runs.py): mutants of how a run is named, filed and found again.
-RU = "src/sketchprop/runs.py"
+# Run identity (src/sketchprop/glue/runs.py): mutants of how a run is named, filed and found again.
+RU = "src/sketchprop/glue/runs.py"
 IDENT = "tests/test_pipeline.py::test_identity_covers_every_setting_that_changes_the_result"
 RUN_IDENTITY: list[Mutant] = [
     Mutant("identity-drops-train-key", RU,

@@ -13,9 +13,9 @@ import pytest
 from test_pipeline import cli, env
 from test_pipeline import overrides as tiny
 
-from sketchprop import runs
-from sketchprop.config import REPO_ROOT, compose, validate
-from sketchprop.train import EXIT_CLAIMED, run, run_files
+from sketchprop.glue import runs
+from sketchprop.glue.config import REPO_ROOT, compose, validate
+from sketchprop.glue.train import EXIT_CLAIMED, run, run_files
 
 
 def overrides(tmp, glue_dir, *extra):

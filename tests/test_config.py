@@ -6,7 +6,7 @@ from hydra import initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from sketchprop import SKETCHES
-from sketchprop.config import CONFIG_DIR, ConfigError, _sweep_subdir, compose, validate
+from sketchprop.glue.config import CONFIG_DIR, ConfigError, _sweep_subdir, compose, validate
 
 GROUPS = ["task", "model", "method", "scheme", "adapter", "activations", "train", "logger",
           "experiment"]

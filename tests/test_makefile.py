@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from sketchprop.config import REPO_ROOT
+from sketchprop.glue.config import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from sketchprop import glue
-from sketchprop.config import compose, validate
-from sketchprop.glue_metric import PATH as GLUE_METRIC
-from sketchprop.glue_metric import REGRESSION, TASK_METRICS
-from sketchprop.train import run
+from sketchprop.glue import data as glue
+from sketchprop.glue.config import compose, validate
+from sketchprop.glue.hf_metric import PATH as GLUE_METRIC
+from sketchprop.glue.hf_metric import REGRESSION, TASK_METRICS
+from sketchprop.glue.train import run
 
 
 def task(name):

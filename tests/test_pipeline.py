@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from sketchprop import glue
-from sketchprop.config import compose, validate
-from sketchprop.train import RunError, _history_callback, run, run_files
+from sketchprop.glue import data as glue
+from sketchprop.glue.config import compose, validate
+from sketchprop.glue.train import RunError, _history_callback, run, run_files
 
 CONTRACT = {"task", "model", "sketch", "rho", "seed", "epochs", "metrics", "best_metrics",
             "history", "train_samples_per_second", "tokens_per_second", "peak_memory_bytes",
@@ -249,8 +249,8 @@ def test_result_records_the_commit_the_run_started_from(tmp_path, glue_dir, monk
     """A commit made while a long run trains is not the code that ran: the run records HEAD (and
     whether the tree was dirty) as it was before training."""
     head = {"commit": "a" * 40, "dirty": False}
-    monkeypatch.setattr("sketchprop.runs.git_commit", lambda repo: (head["commit"], head["dirty"]))
-    monkeypatch.setattr("sketchprop.train._CODE_COMMIT", None)  # as in a fresh process
+    monkeypatch.setattr("sketchprop.glue.runs.git_commit", lambda repo: (head["commit"], head["dirty"]))
+    monkeypatch.setattr("sketchprop.glue.train._CODE_COMMIT", None)  # as in a fresh process
 
     class CommitDuringTraining(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):

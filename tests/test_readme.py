@@ -11,7 +11,7 @@ from torch import nn
 import sketchprop
 from sketchprop import RandomizedLinear
 from sketchprop.activations import SeededDropout
-from sketchprop.config import REPO_ROOT
+from sketchprop.glue.config import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

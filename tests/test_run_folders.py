@@ -9,9 +9,9 @@ import sys
 from test_claims import overrides
 from test_pipeline import env
 
-from sketchprop import runs
-from sketchprop.config import compose, validate
-from sketchprop.train import EXIT_CLAIMED, run_files
+from sketchprop.glue import runs
+from sketchprop.glue.config import compose, validate
+from sketchprop.glue.train import EXIT_CLAIMED, run_files
 
 # `python -m sketchprop.train` with Hydra's clock stopped at one second (its ${now:...} resolver
 # reads hydra.core.utils.datetime), so that two runs start "in the same second" however slow the

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from sketchprop import glue, runs
-from sketchprop.config import REPO_ROOT, compose, validate
-from sketchprop.train import choose_setup, run_files
+from sketchprop.glue import data as glue
+from sketchprop.glue import runs
+from sketchprop.glue.config import REPO_ROOT, compose, validate
+from sketchprop.glue.setup import choose_setup
+from sketchprop.glue.train import run_files
 
 RUNS = sorted((REPO_ROOT / "results" / "runs").rglob("*.json"))
 PATH_KEYS = ("data.glue_dir=", "results_dir=", "scratch_results_dir=", "checkpoints_dir=")
@@ -124,7 +126,7 @@ def test_choose_setup_offline_without_gpu_picks_the_cpu_setup(monkeypatch, capsy
 
 def test_choose_setup_with_gpu_and_hub_keeps_the_paper_setup(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("sketchprop.glue.hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr("sketchprop.glue.data.hub_reachable", lambda timeout=3.0: True)
     assert choose_setup(["task=cola"]) == ["task=cola"]
     assert capsys.readouterr().out.startswith("setup: paper")
 
@@ -156,7 +158,7 @@ def test_paper_setup_offline_falls_back_to_the_shipped_data(tmp_path):
     old = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        from sketchprop.train import _check_sources
+        from sketchprop.glue.setup import check_sources as _check_sources
 
         assert _check_sources(conf) == glue.SHIPPED_GLUE_DIR
     finally:

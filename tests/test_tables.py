@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sketchprop import runs as sp_runs
+from sketchprop.glue import runs as sp_runs
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tables.py"
 

@@ -1,5 +1,5 @@
 """The GLUE metrics, x100 and named as in the paper: the definitions that the ``evaluate`` module
-:mod:`sketchprop.glue_metric`, the training pipeline and the baselines all use."""
+:mod:`sketchprop.glue.hf_metric`, the training pipeline and the baselines all use."""
 
 from __future__ import annotations
 

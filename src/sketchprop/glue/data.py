@@ -2,7 +2,7 @@
 tokenizing with dynamic padding, and the metrics as the paper reports them (x100).
 
 A task is described by its config (``configs/task/*.yaml``, schema
-:class:`sketchprop.config.TaskConfig`); the quirks of each original TSV file are here, in
+:class:`sketchprop.glue.config.TaskConfig`); the quirks of each original TSV file are here, in
 :data:`TSV_COLUMNS`. Both sources give the same columns: the task's ``text_columns`` and ``label``
 (an int class index in hub order, or a float score for STS-B).
 """
@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .metrics import glue_metrics
+from .metric import glue_metrics
 
 __all__ = [
     "GlueDataError",
@@ -40,7 +40,7 @@ __all__ = [
 
 HUB_DATASET = "nyu-mll/glue"
 #: The original GLUE files of the small tasks, shipped with the repository (data/glue/SOURCES.md).
-SHIPPED_GLUE_DIR = Path(__file__).resolve().parents[2] / "data" / "glue"
+SHIPPED_GLUE_DIR = Path(__file__).resolve().parents[3] / "data" / "glue"
 
 #: For each task: where the dataset's columns are in the original TSV files. A header name, or a
 #: column index for CoLA, whose train/dev files have no header (source, label, mark, sentence).
@@ -263,10 +263,10 @@ def tokenize(data, tokenizer, task, max_length: int):
 
 def compute_metrics(task):
     """A ``compute_metrics`` function for the HF Trainer: :func:`glue_metrics` through the
-    ``evaluate`` module :mod:`sketchprop.glue_metric`, loaded once, by path (offline)."""
+    ``evaluate`` module :mod:`sketchprop.glue.hf_metric`, loaded once, by path (offline)."""
     import evaluate
 
-    from .glue_metric import PATH
+    from .hf_metric import PATH
 
     metric = evaluate.load(PATH, task.name, keep_in_memory=True)
 
@@ -324,13 +324,3 @@ def write_toy_glue(root: str | os.PathLike, n_train: int = 256, n_dev: int = 64,
             (root / task / name).write_text("\n".join(rows(n)) + "\n", encoding="utf-8")
     return root
 
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Write toy CoLA and STS-B data for smoke runs.")
-    parser.add_argument("root", help="folder to write CoLA/ and STS-B/ into")
-    parser.add_argument("--n-train", type=int, default=256)
-    parser.add_argument("--n-dev", type=int, default=64)
-    args = parser.parse_args()
-    print(write_toy_glue(args.root, args.n_train, args.n_dev))

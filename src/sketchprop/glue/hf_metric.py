@@ -1,14 +1,14 @@
 """The GLUE metrics as an ``evaluate`` module, loaded by path, so it works offline:
 
     import evaluate
-    from sketchprop.glue_metric import PATH
+    from sketchprop.glue.hf_metric import PATH
 
     metric = evaluate.load(PATH, "cola", keep_in_memory=True)
     metric.compute(predictions=logits.argmax(-1), references=labels)   # {"matthews": 12.3}
 
 The configuration is the task (``cola``, ``sst2``, ``mrpc``, ``qqp``, ``stsb``, ``mnli``, ``qnli``,
 ``rte``, ``wnli``). Predictions are class ids, or scores for ``stsb``. The definitions are those of
-:func:`sketchprop.metrics.glue_metrics`: scikit-learn's Matthews correlation, accuracy and binary F1,
+:func:`sketchprop.glue.metric.glue_metrics`: scikit-learn's Matthews correlation, accuracy and binary F1,
 scipy's Pearson and Spearman correlations, all x100 and named as in the paper (the hub's ``glue``
 metric, which needs the hub, reports fractions under other names). A correlation of constant
 predictions is undefined and reported as None.
@@ -23,7 +23,7 @@ import datasets
 import evaluate
 import numpy as np
 
-from sketchprop.metrics import glue_metrics
+from sketchprop.glue.metric import glue_metrics
 
 #: This file: what ``evaluate.load`` is given.
 PATH = str(Path(__file__).resolve())

@@ -27,11 +27,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from . import activations
-from .allocation import ALLOCATIONS
-from .layers import DEFAULT_MIN_ROWS
-from .quantize import BITS, DEFAULT_GROUP
-from .sketches import SKETCHES
+from .. import activations
+from ..allocation import ALLOCATIONS
+from ..layers import DEFAULT_MIN_ROWS
+from ..quantize import BITS, DEFAULT_GROUP
+from ..sketches import SKETCHES
 
 __all__ = [
     "CONFIG_DIR",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: The repository root (``src/sketchprop`` is two levels below it in an editable install).
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 #: ``configs/`` at the repository root, where ``python -m sketchprop.train`` reads its configs.
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -394,7 +394,7 @@ def validate(cfg: DictConfig) -> Config:
     for key, close, valid in _unknown_keys(cfg, Config):
         hint = f"did you mean {close}?" if close else f"valid keys here: {', '.join(valid)}"
         raise ConfigError(f"unknown config key {key!r}: {hint} (no schema in "
-                          f"sketchprop.config defines it)")
+                          f"sketchprop.glue.config defines it)")
     try:
         return OmegaConf.to_object(cfg)
     except ConfigError:
