@@ -54,6 +54,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from .config import REPO_ROOT
+
 __all__ = [
     "Claim",
     "Claimed",
@@ -477,6 +479,34 @@ class Claim:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# Portable records: what a result file says about where things were
+
+
+def portable(path: str | os.PathLike) -> str:
+    """``path`` as a user can paste it in a fresh clone: relative to the repository root when it
+    lies inside it (``data/glue``, ``results/runs/...``, ``.venv/bin/python``), else as given (a
+    hub id stays an id). Symlinks are not followed: ``.venv/bin/python`` stays inside."""
+    if not os.path.isabs(path):
+        return str(path)
+    absolute = Path(os.path.abspath(path))
+    return str(absolute.relative_to(REPO_ROOT)) if absolute.is_relative_to(REPO_ROOT) else str(path)
+
+
+def portable_command(argv: list[str]) -> str:
+    """``argv`` as a command a user can paste in a fresh clone: every absolute path inside the
+    repository (also as the value of ``key=value`` or ``--opt=value``) relative to its root, and
+    ``python`` for an interpreter outside it."""
+    out = []
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=") if "=" in arg else ("", "", arg)
+        value = portable(value)
+        if i == 0 and os.path.isabs(value) and Path(value).name.startswith("python"):
+            value = "python"
+        out.append(f"{key}{eq}{value}")
+    return shlex.join(out)
 
 
 # ---------------------------------------------------------------------------------------------
