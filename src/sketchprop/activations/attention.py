@@ -321,6 +321,9 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
+# Which models it stands in for (patch_activations asks before it changes anything).
+
+
 def _attention_owner(model: nn.Module) -> nn.Module:
     """The transformers model whose attention function ``model`` calls: ``model`` itself, or the
     base model a wrapper holds (a peft model's ``get_base_model()``). Raises unless its attention

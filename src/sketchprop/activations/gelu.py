@@ -223,6 +223,9 @@ def is_exact_gelu(module: nn.Module) -> bool:
     return type(module) is GELUActivation
 
 
+# The tanh form (GPT-2's gelu_new).
+
+
 def gelu_tanh_derivative(x: Tensor) -> Tensor:
     """The derivative of ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` in float32, by the
     fused kernel of its own backward."""

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 #: ``layernorm=`` values: LayerNorm keeps its input (the model's own) or its output.
 LAYERNORM = ("stored", "output")
 
-
 # A column whose |gamma| is below this times (1 + |beta|) keeps its input: dividing by it would
 # lose float32 accuracy (the error of x^ grows as |beta| / |gamma| times float32's epsilon).
 _GAMMA_FLOOR = 1e-2
@@ -113,6 +112,9 @@ def is_layernorm(module: nn.Module) -> bool:
     """Whether ``module`` is an ``nn.LayerNorm`` (that type, not a subclass), which
     :class:`OutputLayerNorm` replaces."""
     return type(module) is nn.LayerNorm
+
+
+# RMSNorm.
 
 
 class RMSNormFunction(torch.autograd.Function):
