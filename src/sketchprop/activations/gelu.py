@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import _stable_seed
+from ..layers import _stable_seed, process_rank
 from .packing import pack_codes, unpack_codes
 from .seeds import _draw_seed, _random_int16
 
@@ -187,17 +187,17 @@ class CompactGELU(nn.Module):
         self.bits, self.code, self.name = bits, code, name
         self.fitted: GeluCode | None = GeluCode.uniform(bits) if code == "stochastic" else None
         self._gen: torch.Generator | None = None
+        self._gen_rank: int | None = None  # the rank ``_gen`` was seeded for
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, code={self.code}"
 
     def _next_seed(self) -> int:
-        if self._gen is None:
-            rank = 0
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                rank = torch.distributed.get_rank()  # each rank rounds with its own dither
+        rank = process_rank()  # read at every draw, as RandomizedLinear's sketches are
+        if self._gen is None or self._gen_rank != rank:  # each rank rounds with its own dither
             self._gen = torch.Generator().manual_seed(
                 _stable_seed("gelu", torch.initial_seed(), self.name, rank))
+            self._gen_rank = rank
         return int(torch.randint(0, 2**62, (), generator=self._gen))
 
     def forward(self, x: Tensor) -> Tensor:
