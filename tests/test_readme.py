@@ -92,9 +92,11 @@ def test_each_check_finds_one_block_and_one_shows_patch_activations():
     assert all(sum(n in code for _, code in blocks()) == 1 for n in CHECKED)
 
 
-@pytest.mark.parametrize("page, code", [b for b in blocks() if not any(n in b[1] for n in CHECKED)])
-def test_every_other_block_runs(run_block, page, code):
-    run_block((page, code))
+def test_every_other_block_runs(run_block):
+    """The blocks no test below checks still run as printed (a failure names the page)."""
+    for page_and_code in blocks():
+        if not any(n in page_and_code[1] for n in CHECKED):
+            run_block(page_and_code)
 
 
 def test_the_library_block(run_block):
