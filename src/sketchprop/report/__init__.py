@@ -1,0 +1,1 @@
+"""Tables and figures rebuilt from the files under results/, one module per table or figure."""
