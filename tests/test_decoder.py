@@ -403,7 +403,7 @@ def test_deepcopy_of_a_patched_model_computes_with_its_own_modules():
             p.mul_(0.5)
     assert not torch.equal(loss_and_grads(twin, batch())[0], loss_and_grads(model, batch())[0])
     assert vars(twin)["forward"].owner is twin
-    assert vars(twin.model.norm)["forward"].__self__ is twin.model.norm
+    assert vars(twin.model.norm)["forward"].args[0] is twin.model.norm  # bound to its own norm
 
 
 # ---------------------------------------------------------------------------------------------
