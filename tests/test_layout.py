@@ -1,7 +1,7 @@
 """The repository's layout rules, read off the files with ``ast``: no module under src/ over 600
-lines, every file in scripts/ at most 200 lines, no script that imports another script or puts
-scripts/ on ``sys.path``, and no import circle among the sketchprop modules (imports inside
-functions count)."""
+lines, every file in scripts/ at most 200 lines, every module and script opening with a docstring,
+no script that imports another script or puts scripts/ on ``sys.path``, and no import circle among
+the sketchprop modules (imports inside functions count)."""
 
 import ast
 from pathlib import Path
@@ -68,6 +68,12 @@ def test_every_script_at_most_200_lines():
     long = {rel(p): lines(p) for p in SCRIPTS.iterdir() if p.is_file()
             and lines(p) > MAX_SCRIPT_LINES}
     assert set(long) <= PENDING, {k: v for k, v in long.items() if k not in PENDING}
+
+
+def test_every_module_and_script_opens_with_a_docstring():
+    files = [*SRC.rglob("*.py"), *SCRIPTS.glob("*.py")]
+    bare = [rel(p) for p in files if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not bare, bare
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
