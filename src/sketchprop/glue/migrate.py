@@ -35,7 +35,8 @@ from .config import REPO_ROOT
 MACHINE = "/work"
 SHARED = "shared"
 
-_PATH = re.compile(re.escape(MACHINE) + r"/([^/\s\"'`,;:)]+)(/[^\s\"'`,;)]*)?")
+# A path that starts there (not the middle of a URL or a longer path).
+_PATH = re.compile(r"(?<![\w./:-])" + re.escape(MACHINE) + r"/([^/\s\"'`,;:)]+)(/[^\s\"'`,;)]*)?")
 _PACKAGE = re.compile(r"/site-packages/(\w+)/")
 
 
