@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from sketchprop.glue import data as glue
+from sketchprop.glue import paths
 from sketchprop.glue.config import compose, validate
 from sketchprop.glue.train import RunError, _history_callback, run, run_files
 
@@ -262,7 +263,7 @@ def test_result_names_no_folder_of_the_machine(tmp_path, glue_dir):
     """A result records every path relative to the repository (the tests' folders lie outside it)
     and the interpreter as `python` (outside it too), so that no result file names the folders of
     the machine that made it; the identity comes out the same from the recorded config."""
-    from sketchprop.glue import migrate, runs
+    from sketchprop.glue import migrate
     from sketchprop.glue.config import REPO_ROOT
 
     result = run(compose(overrides(tmp_path, glue_dir, "train.max_steps=2")),
@@ -272,8 +273,8 @@ def test_result_names_no_folder_of_the_machine(tmp_path, glue_dir):
     assert config["data"]["glue_dir"] == os.path.relpath(glue_dir, REPO_ROOT)
     for key, folder in [("results_dir", "results"), ("checkpoints_dir", "ckpt")]:
         assert (REPO_ROOT / config[key]).resolve() == (tmp_path / folder).resolve()
-    assert result["run_dir"] == runs.portable((tmp_path / "run").resolve())
-    assert result["command"].split()[0] in ("python", runs.portable(sys.executable))
+    assert result["run_dir"] == paths.portable((tmp_path / "run").resolve())
+    assert result["command"].split()[0] in ("python", paths.portable(sys.executable))
     assert migrate.recorded_identity(result) == result["identity"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sketchprop.glue import data as glue
-from sketchprop.glue import migrate, runs
+from sketchprop.glue import migrate, paths, runs
 from sketchprop.glue.config import REPO_ROOT, compose, validate
 from sketchprop.glue.setup import choose_setup
 from sketchprop.glue.train import run_files
@@ -113,7 +113,7 @@ def test_migration_makes_paths_portable_keeps_identities_and_can_be_rerun(tmp_pa
     assert json.loads(moved.read_text()) == expected
     assert migrate.recorded_identity(expected) == result["identity"]
     assert table.read_text() == ("Made by: python x.py --out-dir results/memory --data "
-                                 "../shared/data/glue\n")
+                                 "data/glue\n")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     again = subprocess.run(script, capture_output=True, text=True, timeout=120, env=env())
     assert "0 file(s) migrated to portable paths" in again.stdout
@@ -123,14 +123,14 @@ def test_migration_makes_paths_portable_keeps_identities_and_can_be_rerun(tmp_pa
 def test_portable_records_relative_to_the_repository():
     outside = os.path.relpath("/elsewhere/glue", REPO_ROOT)
     assert outside.startswith("..") and outside.endswith("elsewhere/glue")
-    assert runs.portable(REPO_ROOT / "data" / "glue") == "data/glue"
-    assert runs.portable("/elsewhere/glue") == outside
-    assert runs.portable("roberta-base") == "roberta-base"  # a hub id stays an id
-    assert runs.portable_command(["/usr/bin/python3", "-m", "sketchprop.train",
+    assert paths.portable(REPO_ROOT / "data" / "glue") == "data/glue"
+    assert paths.portable("/elsewhere/glue") == outside
+    assert paths.portable("roberta-base") == "roberta-base"  # a hub id stays an id
+    assert paths.portable_command(["/usr/bin/python3", "-m", "sketchprop.train",
                                   f"data.glue_dir={REPO_ROOT}/data/glue", "--out=/elsewhere/glue"]
                                  ) == f"python -m sketchprop.train data.glue_dir=data/glue --out={outside}"
-    assert runs.portable_command([str(REPO_ROOT / ".venv/bin/python"), "x.py"]) == ".venv/bin/python x.py"
-    assert runs.portable_overrides(["task=cola", f"results_dir={REPO_ROOT}/results"]) == [
+    assert paths.portable_command([str(REPO_ROOT / ".venv/bin/python"), "x.py"]) == ".venv/bin/python x.py"
+    assert paths.portable_overrides(["task=cola", f"results_dir={REPO_ROOT}/results"]) == [
         "task=cola", "results_dir=results"]
 
 

@@ -3,7 +3,7 @@ the environment a run records, interleaved timing with bracketed ratios, markdow
 JSON + markdown files every benchmark writes.
 
 Torch only: no hydra, datasets or wandb at import (the recorded command is made by
-``sketchprop.glue.runs.portable_command``, imported when a run records its environment).
+``sketchprop.glue.paths.portable_command``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from sketchprop.glue.paths import REPO_ROOT, portable, portable_command
 from sketchprop.measure import usable_cores
 from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch
 
-# The checkout (src/sketchprop/bench/ is three levels down), as sketchprop.glue.config.REPO_ROOT.
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO_ROOT  # the checkout
 RESULTS = ROOT / "results" / "bench"
 # The GLUE files shipped with the code (data/glue/SOURCES.md); GLUE_DIR points elsewhere.
 GLUE = ROOT / "data" / "glue"
@@ -122,8 +122,6 @@ def git_dirty() -> bool | None:
 def environment(dev: torch.device) -> dict:
     """What a run records about where it ran: its command (as a user pastes it in a fresh clone),
     the device and CPU, threads, versions, commit, load average and time."""
-    from sketchprop.glue.runs import portable_command  # hydra: only once a run records itself
-
     env = {
         "command": portable_command(sys.orig_argv),
         "device": str(dev),
@@ -246,6 +244,9 @@ def write_outputs(stem: str, payload: dict, tables: str, out_dir: str | os.PathL
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     payload = dict(payload)
+    if isinstance(payload.get("args"), dict):  # a committed record names no folder of the machine
+        payload["args"] = {k: portable(v) if isinstance(v, str | os.PathLike) else v
+                           for k, v in payload["args"].items()}
     payload.setdefault("environment", {}).setdefault(
         "loadavg_end", [round(v, 2) for v in os.getloadavg()])
     env = payload["environment"]

@@ -10,11 +10,14 @@ checkout of this repository lay at ``/work/<name>`` beside the shared folder ``/
 they named those folders. The rule that removes them:
 
 - a path inside a checkout, ``/work/<checkout>/<rest>``, becomes ``<rest>``: relative to the
-  checkout it lay in, as :func:`~sketchprop.glue.runs.portable` records paths today
+  checkout it lay in, as :func:`~sketchprop.glue.paths.portable` records paths today
   (``.venv/bin/python``, ``results``, ``outputs/runs/...``, ``data/glue``);
-- a path in the shared folder, ``/work/shared/<rest>``, becomes ``../shared/<rest>`` (the shared
-  folder as a checkout sees it), except a run's GLUE folder, which becomes ``data/glue`` when the
-  data the run read (the sha256 in its identity) is that of the copy shipped in ``data/glue``;
+- the shared GLUE folder, ``/work/shared/data/glue``, becomes ``data/glue``: for every task the
+  repository ships, its files were byte-identical to ``data/glue``'s (compared when the files were
+  migrated; its one extra file, QNLI's dev set, is not shipped, and no file naming the folder read
+  it). For a run file this is also checked: the sha256 in its identity must be the shipped copy's;
+- any other path in the shared folder, ``/work/shared/<rest>``, becomes ``../shared/<rest>`` (none
+  is left in the committed files);
 - a run's model folder from a PyPI package (``.../site-packages/<pkg>/...``) becomes the reference
   the model config holds, ``${sp.package_model:<pkg>}``.
 
@@ -34,6 +37,7 @@ from .config import REPO_ROOT
 #: Where the committed files were made: the folder holding the checkouts, and the shared folder in it.
 MACHINE = "/work"
 SHARED = "shared"
+SHARED_GLUE = "/data/glue"  # in the shared folder: the same files as data/glue (module docstring)
 
 # A path that starts there (not the middle of a URL or a longer path).
 _PATH = re.compile(r"(?<![\w./:-])" + re.escape(MACHINE) + r"/([^/\s\"'`,;:)]+)(/[^\s\"'`,;)]*)?")
@@ -45,6 +49,8 @@ def portable_text(text: str) -> str:
     def repl(m: re.Match) -> str:
         name, rest = m.group(1), m.group(2) or ""
         if name == SHARED:
+            if rest == SHARED_GLUE or rest.startswith(SHARED_GLUE + "/"):
+                return "data/glue" + rest.removeprefix(SHARED_GLUE)
             return f"../{SHARED}{rest}"
         return rest.lstrip("/") or "."
 
@@ -81,8 +87,10 @@ def portable_run(result: dict) -> dict:
     glue_dir = config["data"].get("glue_dir")
     if glue_dir and glue_dir.startswith(f"{MACHINE}/{SHARED}/"):
         shipped, read = _shipped_data(config), result["identity"]["data"]
-        if shipped is not None and shipped["sha256"] == read.get("sha256"):
-            replace[glue_dir] = "data/glue"
+        if shipped is None or shipped["sha256"] != read.get("sha256"):
+            raise ValueError(f"{glue_dir}: the run read other data than data/glue's; its folder "
+                             "cannot be recorded as data/glue")
+        replace[glue_dir] = "data/glue"
     model = config["model"].get("name_or_path")
     package = _PACKAGE.search(model or "")
     if package and model.startswith("/"):

