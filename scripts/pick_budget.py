@@ -48,9 +48,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 import bench_model as bm  # noqa: E402
-import make_tables  # noqa: E402
 import memory_table as mt  # noqa: E402
 import torch  # noqa: E402
+
+from sketchprop.report.common import bench_step_ratios, fmt_ratio  # noqa: E402
 
 RHOS = mt.RHOS
 # GLUE folder of each task name (Hydra's names and the folder names both work).
@@ -208,7 +209,7 @@ def render(rows: list[dict], meta: dict) -> str:
              f"| largest batch in {meta['budget_gib']:g} GiB | GiB at batch {meta['batch']} "
              "| step time / exact (bench) | |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        time = make_tables.fmt_ratio(r["time"])
+        time = fmt_ratio(r["time"])
         mark = ("**<- fastest that fits**" if r["fastest"] else
                 ("fits" if r["fits"] else f"does not fit batch {meta['batch']}"))
         rho = "-" if r["rho"] is None else f"{r['rho']:g}"
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
     saved = measure(model, ref, args.sketch)
     padded = len(ref) * max(ref)
 
-    ratios = make_tables.bench_step_ratios(Path(args.bench_dir), args.model)
+    ratios = bench_step_ratios(Path(args.bench_dir), args.model)
     info = ratios.get("_info")
     bench_desc = (f"{args.model} training step at {info['batch']} tokens ({info['source']}), "
                   f"{info['threads']} torch thread(s), {info['device']}, median (interquartile "
