@@ -161,11 +161,13 @@ def score(run: dict, best: bool = True) -> float | None:
 
 
 def method_key(run: dict) -> tuple:
+    """The run's method as a sort key: (sketch order, sketch, :func:`scheme`, -rho)."""
     return (SKETCH_ORDER.index(run["sketch"]) if run["sketch"] in SKETCH_ORDER else 99,
             run["sketch"], scheme(run), -float(run["rho"]))
 
 
 def method_label(key: tuple) -> str:
+    """``exact``, ``exact (compact)`` or ``blocksrht (ours) rho=0.1`` for a method key."""
     _, sketch, sch, neg_rho = key
     if sketch == "exact":
         return "exact" if sch == "-" else f"exact ({sch})"
@@ -173,6 +175,8 @@ def method_label(key: tuple) -> str:
 
 
 def mean_sd(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample sd of the values that are not None (nan and None when none is, sd None
+    for one)."""
     values = [v for v in values if v is not None]
     if not values:
         return math.nan, None
@@ -180,6 +184,7 @@ def mean_sd(values: list[float]) -> tuple[float, float | None]:
 
 
 def fmt_score(values: list[float]) -> str:
+    """``52.00 ± 1.00 (n=3)``, ``52.00`` for one value, ``-`` for none."""
     mean, sd = mean_sd(values)
     if math.isnan(mean):
         return "-"
@@ -305,6 +310,7 @@ PAIRED_TEXT = (
 
 
 def write_table(stem: Path, header: list[str], rows: list[list], preamble: str) -> None:
+    """``stem``.csv (header and rows) and ``stem``.md (the preamble, then the rows as a table)."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
@@ -403,6 +409,7 @@ def bench_layer_ratios(bench_dir: Path, shape: tuple[str, int] = BENCH_LAYER,
 
 
 def fmt_ratio(st: dict | None) -> str:
+    """``0.80 (0.75-0.85)`` (median and quartiles of a ratio), ``-`` where not timed."""
     if not st:
         return "-"
     if st["n"] < 2 or st["ratio"] == st["q1"] == st["q3"]:

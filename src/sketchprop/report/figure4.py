@@ -105,6 +105,7 @@ def per_step(records: list[dict], field: str) -> tuple[list[int], list[float]]:
 
 
 def moving_median(values: list[float], window: int) -> list[float]:
+    """The median of each value's window (centred, shorter at the ends)."""
     half = max(window, 1) // 2
     return [statistics.median(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
 

@@ -63,6 +63,7 @@ class Config:
 
 
 def configs() -> list[Config]:
+    """Every configuration the frontier places, in table order before sorting."""
     out = [Config("exact", "minilm_cpu", EXACT, ("exact", None), "exact"),
            Config("checkpointing", None, None, ("ckpt", None), "ckpt", by_construction=True),
            Config("compact activations", "minilm_cpu", key_of("exact", "compact"),
@@ -102,6 +103,9 @@ def configs() -> list[Config]:
 
 @dataclass
 class Point:
+    """A configuration's place: its bytes over exact's, its score minus exact's (± SE, n seeds,
+    paired or not) and its step time over exact's; None where not measured."""
+
     config: Config
     share: float | None
     diff: float | None
@@ -127,6 +131,7 @@ def _unpaired(ours: list[float], base: list[float]) -> tuple[float, float | None
 
 
 def points(runs: list[dict], memory: dict, bench: dict) -> list[Point]:
+    """Each of :func:`configs` placed from the CoLA runs, the memory point and the step ratios."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         if r["task"] == "cola":
@@ -203,6 +208,7 @@ def _fmt_diff(p: Point) -> str:
 
 def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figures: Path,
           runs: list[dict]) -> None:
+    """``tables``/frontier.md|csv and ``figures``/frontier.png from the points."""
     front = {id(p) for p in pareto(pts)}
     front_timed = {id(p) for p in pareto(pts, timed=True)}
     rows = []

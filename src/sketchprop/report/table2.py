@@ -36,6 +36,8 @@ TABLE2_SKETCHES = ("exact", "gaussian", "blocksrht", "importance")
 
 
 def table2(runs: list[dict], experiment: str, stem: Path, majority: dict | None = None) -> None:
+    """Table 2 of ``experiment``'s runs as ``stem``.md|csv, with the majority-class row when
+    ``majority`` (results/baselines/majority.json) is given."""
     # The paper's Gaussian and the recommended sketch, without checkpointing (that is Table 4's).
     runs = [r for r in runs if r["_experiment"] == experiment and r["sketch"] in TABLE2_SKETCHES
             and "ckpt" not in scheme(r).split("+")]

@@ -44,6 +44,7 @@ PAPER_TABLE4 = {
 
 
 def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None = None) -> None:
+    """Table 4 of ``experiment``'s CoLA runs as ``stem``.md|csv, speed from ``bench_dir``."""
     runs = [r for r in runs if r["_experiment"] == experiment and r["task"] == "cola"]
     if not runs:
         return
