@@ -73,7 +73,7 @@ def test_keep_mask_rate_and_reproducibility():
     assert torch.equal(keep, act.keep_mask((n,), p, seed=7, device="cpu"))
     assert not torch.equal(keep, act.keep_mask((n,), p, seed=8, device="cpu"))
     q = 1 - round(p * 65536) / 65536  # the keep probability after rounding to 16 bits
-    threshold, scale = act._drop_threshold(p)
+    threshold, scale = act.seeds._drop_threshold(p)
     assert scale * q == pytest.approx(1.0, abs=1e-12)
     z = (keep.double().mean().item() - q) / (q * (1 - q) / n) ** 0.5
     assert abs(z) < stats.norm.isf(FALSE_ALARM / 2)
@@ -90,7 +90,7 @@ def test_dropout_forward_and_backward_use_one_mask(kind):
     y = drop(x)
     y.backward(g)
     keep = y.detach() != 0
-    scale = act._drop_threshold(0.5)[1]
+    scale = act.seeds._drop_threshold(0.5)[1]
     assert 0.3 < keep.float().mean() < 0.7
     torch.testing.assert_close(y.detach(), x.detach() * keep * scale, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, g * keep * scale, rtol=0, atol=0)
@@ -124,7 +124,7 @@ def reference_attention(q, k, v, mask, scaling, p, seed):
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, -1)
     if p > 0:
-        probs = probs * act.keep_mask(probs.shape, p, seed, "cpu") * act._drop_threshold(p)[1]
+        probs = probs * act.keep_mask(probs.shape, p, seed, "cpu") * act.seeds._drop_threshold(p)[1]
     return probs @ v
 
 
@@ -136,7 +136,7 @@ def test_recomputed_attention_is_exact(p):
     mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
     mask[1, ..., 5:] = False  # padding keys of the second sequence
     seed = seed_tensor(123)
-    out = act._RecomputedAttention.apply(q, k, v, mask, 0.5, p, seed)
+    out = act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, p, seed)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     got = torch.autograd.grad(out, (q, k, v), g)
     ref = reference_attention(q, k, v, mask, 0.5, p, 123)
@@ -154,8 +154,8 @@ def test_gelu_derivative_and_range():
     x = torch.linspace(-6, 6, 10001, dtype=torch.float64).requires_grad_(True)
     (want,) = torch.autograd.grad(nn.functional.gelu(x).sum(), x)
     torch.testing.assert_close(act.gelu_derivative(x), want.float())
-    assert want.min().item() == pytest.approx(act._G_MIN, abs=1e-6)
-    assert want.max().item() == pytest.approx(act._G_MAX, abs=1e-6)
+    assert want.min().item() == pytest.approx(act.gelu._G_MIN, abs=1e-6)
+    assert want.max().item() == pytest.approx(act.gelu._G_MAX, abs=1e-6)
 
 
 def gelu_backward_draws(bits, code, x, draws):
@@ -286,8 +286,8 @@ def test_attention_dropout_regenerated_in_backward(monkeypatch):
         layer.attention.self.dropout.p = 0.3
     ref = copy.deepcopy(model)
     patch_activations(model, dropout="stored", gelu_bits=None)
-    seeds, draw = [], act._draw_seed
-    monkeypatch.setattr(act, "_draw_seed", lambda: seeds.append(draw()) or seeds[-1])
+    seeds, draw = [], act.attention._draw_seed
+    monkeypatch.setattr(act.attention, "_draw_seed", lambda: seeds.append(draw()) or seeds[-1])
     b = batch()
     got = grads(model, b)
     assert len(seeds) == len(model.roberta.encoder.layer)
@@ -300,7 +300,7 @@ def test_attention_dropout_regenerated_in_backward(monkeypatch):
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register("test_eager_with_masks", eager_with_masks)
-    AttentionMaskInterface.register("test_eager_with_masks", act._recompute_attention_mask)
+    AttentionMaskInterface.register("test_eager_with_masks", act.attention._recompute_attention_mask)
     ref.set_attn_implementation("test_eager_with_masks")
     want = grads(ref, b)
     assert not seeds
@@ -311,7 +311,7 @@ def keep_qkv(model):
     """Make recompute_attention keep Q, K and V (its fallback) in every self-attention module."""
     for m in model.modules():
         if act.has_projections(m):
-            m.__dict__[act._CHECKED] = False
+            m.__dict__[act.attention._CHECKED] = False
 
 
 @pytest.mark.parametrize("family", MODELS)
@@ -339,7 +339,7 @@ def test_attention_keeps_the_block_input_not_qkv(family, setup):
         want = grads(ref, b, ckpt)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
-    checked = [m.__dict__.get(act._CHECKED) for m in model.modules() if act.has_projections(m)]
+    checked = [m.__dict__.get(act.attention._CHECKED) for m in model.modules() if act.has_projections(m)]
     assert checked == [True, True]
     if setup == "plain":
         model.zero_grad(), ref.zero_grad()
@@ -361,7 +361,7 @@ def test_attention_keeps_qkv_when_they_are_not_the_inputs_projections():
     with pytest.warns(UserWarning, match="keeps Q, K and V"):
         got = grads(model, b)
     assert_same_grads(got, grads(ref, b))
-    checked = [m.__dict__.get(act._CHECKED) for m in model.modules() if act.has_projections(m)]
+    checked = [m.__dict__.get(act.attention._CHECKED) for m in model.modules() if act.has_projections(m)]
     assert checked == [False, True]
 
 
@@ -402,9 +402,9 @@ def test_round_trip(family):
     model(**batch()).loss.backward()
     assert unpatch_activations(model) == names
     assert module_types(model) == types and model.config._attn_implementation == impl
-    assert not any(m._forward_pre_hooks or m._forward_hooks or act._CHECKED in vars(m)
+    assert not any(m._forward_pre_hooks or m._forward_hooks or act.attention._CHECKED in vars(m)
                    for m in model.modules())
-    assert not act._inputs()  # no call's input left behind
+    assert not act.attention._inputs()  # no call's input left behind
     assert unpatch_activations(model) == []
     assert patch_activations(model) == names  # patchable again
 

@@ -1,5 +1,5 @@
 """patch_activations on decoder language models (GPT-2, Llama with grouped K/V heads): defaults
-that fit the model, errors that name the option, the decoder parts (sketchprop.decoder) exact
+that fit the model, errors that name the option, the decoder parts (sketchprop.activations) exact
 against the unpatched model (checkpointing, autocast, LoRA), unbiased where coded, reversible."""
 
 import contextlib
@@ -16,7 +16,6 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from sketchprop import activations as act
 from sketchprop import chunked_lm_loss, patch_activations, patch_linear, unpatch_activations, unpatch_linear
-from sketchprop import decoder as dec
 from sketchprop.measure import SavedTensorMeter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,7 +111,7 @@ def test_defaults_apply_what_the_model_has_and_say_what_they_left(family, caplog
         assert sum(n.endswith("norm") for n in names) == 5  # 2 per layer and the final one
         assert "left dropout" in lines[0] and "gelu_bits" in lines[0]
     else:
-        assert sum(isinstance(model.get_submodule(n), dec.CompactTanhGELU) for n in names) == 2
+        assert sum(isinstance(model.get_submodule(n), act.CompactTanhGELU) for n in names) == 2
         assert sum(isinstance(model.get_submodule(n), act.SeededDropout) for n in names) == 7
         assert "mlp" in lines[0].split("left")[1] and "rmsnorm" in lines[0].split("left")[1]
     model(**batch()).loss.backward()  # trains
@@ -274,13 +273,13 @@ def test_lora_llama_exact_and_reversible(mlp):
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
     mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
     if mlp != "recompute":  # the check passed: the gate and up outputs are made again from x
-        assert all(vars(m).get(dec._INPUT_CHECKED) is True for m in mlps)
+        assert all(vars(m).get(act.mlp._INPUT_CHECKED) is True for m in mlps)
         shapes = _mlp_saved_shapes(model)
         assert (3, 12, 32) in shapes and (3, 12, 48) not in shapes  # x kept, not g or u
     unpatch_linear(model)
     assert unpatch_activations(model) == names
     assert module_types(model) == types and not any(
-        vars(m).keys() & {"forward", dec._INPUT_CHECKED} for m in model.modules())
+        vars(m).keys() & {"forward", act.mlp._INPUT_CHECKED} for m in model.modules())
 
 
 def test_auto_mlp_keeps_the_input_where_gate_and_up_are_frozen(caplog):
@@ -299,7 +298,7 @@ def test_auto_mlp_keeps_the_input_where_gate_and_up_are_frozen(caplog):
             layer.mlp.gate_proj.weight.requires_grad_(False)
             layer.mlp.up_proj.weight.requires_grad_(False)
     assert (3, 12, 48) not in _mlp_saved_shapes(model)  # frozen: x kept, g and u made again
-    assert all(vars(layer.mlp).get(dec._INPUT_CHECKED) is True for layer in model.model.layers)
+    assert all(vars(layer.mlp).get(act.mlp._INPUT_CHECKED) is True for layer in model.model.layers)
     assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
     for m in (model, ref):  # one trains again: that MLP keeps g and u again
         m.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
@@ -438,7 +437,7 @@ def test_chunked_loss_never_keeps_logits():
     shapes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
                                                   lambda t: t):
-        loss = dec.chunked_lm_loss(h, w, labels)
+        loss = act.chunked_lm_loss(h, w, labels)
     loss.backward()
     assert shapes and all(VOCAB * 10 not in s[:1] and (len(s) < 2 or s[-1] != VOCAB * 10)
                           or s == tuple(w.shape) for s in shapes)
@@ -447,11 +446,11 @@ def test_chunked_loss_never_keeps_logits():
 def test_tanh_gelu_derivative_and_range():
     x = torch.linspace(-6, 6, 10001, dtype=torch.float64).requires_grad_(True)
     (want,) = torch.autograd.grad(nn.functional.gelu(x, approximate="tanh").sum(), x)
-    torch.testing.assert_close(dec.gelu_tanh_derivative(x), want.float())
-    assert dec._TANH_G_MIN < want.min().item() < dec._TANH_G_MIN + 1e-5
-    assert dec._TANH_G_MAX - 1e-5 < want.max().item() < dec._TANH_G_MAX
-    assert dec.is_tanh_gelu(tf.activations.NewGELUActivation())
-    assert not dec.is_tanh_gelu(nn.GELU()) and not act.is_exact_gelu(nn.GELU("tanh"))
+    torch.testing.assert_close(act.gelu_tanh_derivative(x), want.float())
+    assert act.gelu._TANH_G_MIN < want.min().item() < act.gelu._TANH_G_MIN + 1e-5
+    assert act.gelu._TANH_G_MAX - 1e-5 < want.max().item() < act.gelu._TANH_G_MAX
+    assert act.is_tanh_gelu(tf.activations.NewGELUActivation())
+    assert not act.is_tanh_gelu(nn.GELU()) and not act.is_exact_gelu(nn.GELU("tanh"))
 
 
 @pytest.mark.parametrize("bits", [1, 2])
@@ -459,10 +458,10 @@ def test_stochastic_tanh_gelu_code_is_unbiased(bits):
     """As for the erf form: the chi^2 of the mean of N draws of dX against the tanh form's own
     derivative, and power against a tenth of a step of bias."""
     x = torch.linspace(-3, 3, 100)
-    module = dec.CompactTanhGELU(bits)
+    module = act.CompactTanhGELU(bits)
     code = module.fitted
     step = code.levels[1] - code.levels[0]
-    g = dec.gelu_tanh_derivative(x).double()
+    g = act.gelu_tanh_derivative(x).double()
     frac = ((g - code.levels[0]) / step) % 1
     var = step**2 * frac * (1 - frac)
     use = (frac > 0.05) & (frac < 0.95)
@@ -483,19 +482,19 @@ def test_stochastic_tanh_gelu_code_is_unbiased(bits):
 
 def test_optimal_tanh_gelu_code_is_fit_on_its_own_derivative():
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
-    module = dec.CompactTanhGELU(2, "optimal")
+    module = act.CompactTanhGELU(2, "optimal")
     module(x)
-    want = act.GeluCode.fit(x, 2, derivative=dec.gelu_tanh_derivative)
+    want = act.GeluCode.fit(x, 2, derivative=act.gelu_tanh_derivative)
     assert module.fitted == want and want != act.GeluCode.fit(x, 2)
 
 
 def test_rms_norm_check_tells_the_forms_apart():
     llama = tiny_llama(layers=1)
-    assert dec.is_rms_norm(llama.model.norm)
+    assert act.is_rms_norm(llama.model.norm)
     gemma = tf.models.gemma.modeling_gemma.GemmaRMSNorm(32)  # weight * (1 + w): not this form
-    assert not dec.is_rms_norm(gemma)
-    assert dec.is_gated_mlp(llama.model.layers[0].mlp)
-    assert not dec.is_gated_mlp(tiny_gpt2(layers=1).transformer.h[0].mlp)
+    assert not act.is_rms_norm(gemma)
+    assert act.is_gated_mlp(llama.model.layers[0].mlp)
+    assert not act.is_gated_mlp(tiny_gpt2(layers=1).transformer.h[0].mlp)
 
 
 # ---------------------------------------------------------------------------------------------

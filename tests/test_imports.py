@@ -2,6 +2,9 @@
 closed-form variances and estimators do not need the layer classes."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import sketchprop
@@ -9,23 +12,35 @@ import sketchprop
 PACKAGE = Path(sketchprop.__file__).parent
 
 
+def module_name(path: Path) -> str:
+    """The dotted name of a module of the package, relative to it (``activations.gelu``; a
+    subpackage's ``__init__`` is the subpackage)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def internal_imports(path: Path) -> set[str]:
-    """Names of the package's modules that ``path`` imports anywhere (top level or in a function)."""
+    """Dotted names (relative to the package) of what ``path`` imports from the package anywhere
+    (top level or in a function): a module, or for ``from X import a`` also ``X.a``."""
+    package = path.parent.relative_to(PACKAGE).parts  # where ``from .`` starts
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                out.add(node.module.split(".")[0])
-            else:  # from . import a, b
-                out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sketchprop."):
-            out.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1]
+            target = ".".join([*base, *(node.module or "").split(".")]).strip(".")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "sketchprop":
+            target = node.module.removeprefix("sketchprop").lstrip(".")
+        else:
+            continue
+        out.add(target)
+        out.update(f"{target}.{alias.name}".strip(".") for alias in node.names)
     return out
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    return {m: internal_imports(PACKAGE / f"{m}.py") & modules for m in modules}
+    paths = [p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"]
+    modules = {module_name(p): p for p in paths}
+    return {m: (internal_imports(p) & modules.keys()) - {m} for m, p in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -53,6 +68,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle():
     graph = import_graph()
     assert graph["layers"] >= {"functional", "sketches"}  # the scan sees real imports
+    assert graph["activations.gelu"] >= {"layers", "activations.seeds"}  # and inside subpackages
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -65,3 +81,39 @@ def test_estimators_do_not_need_the_layers():
     graph = import_graph()
     assert graph["variance"] == {"sketches", "quantize"}  # the closed forms of both kinds
     assert graph["sketches"] == set() and graph["quantize"] == set()
+
+
+# Blocks the optional dependencies, imports every library module (the pipeline in glue/ excepted),
+# patches a small MLP with the defaults and takes a step.
+TORCH_ONLY = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"transformers", "numpy", "hydra", "omegaconf", "scipy", "peft"}:
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Block())
+import importlib, pkgutil, warnings
+warnings.simplefilter("ignore")  # torch warns that numpy is missing
+import torch
+import sketchprop
+from sketchprop import patch_activations, patch_linear
+for m in pkgutil.walk_packages(sketchprop.__path__, "sketchprop."):
+    if not m.name.startswith(("sketchprop.glue", "sketchprop.train")):
+        importlib.import_module(m.name)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                            torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+patch_linear(model, exclude=None)
+patch_activations(model)
+model(torch.randn(5, 8)).square().sum().backward()
+print(sorted(type(m).__name__ for m in model))
+"""
+
+
+def test_the_library_imports_with_torch_only():
+    """The library needs torch only: transformers and the pipeline's packages are imported inside
+    the functions that need them."""
+    out = subprocess.run([sys.executable, "-c", TORCH_ONLY], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == str(sorted(
+        ["RandomizedLinear", "CompactGELU", "SeededDropout", "OutputLayerNorm", "RandomizedLinear"]))

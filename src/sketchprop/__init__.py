@@ -5,7 +5,7 @@
 >>> names += patch_activations(model)   # seeded dropout, recomputed attention, few-bit GELU
 """
 
-from .decoder import chunked_lm_loss
+from .activations import chunked_lm_loss
 from .layers import RandomizedLinear
 from .patching import (
     find_linear,

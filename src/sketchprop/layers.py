@@ -46,6 +46,13 @@ def conv1d_class() -> type | None:
     return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 
+def process_rank() -> int:
+    """This process's rank in the default process group; 0 without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
 def _stable_seed(*parts) -> int:
     """A 63-bit seed from the parts, the same in every process (unlike ``hash``)."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -285,6 +292,7 @@ class RandomizedLinear(nn.Linear):
         # sketch (share_inputs) share it too.
         self.grad_norms = GradNormEstimate() if self.sketch.data_dependent else None
         self._gen: torch.Generator | None = None
+        self._gen_rank: int | None = None  # the rank ``_gen`` was seeded for
         self.calls = 0
         self.fan_in_fan_out = False  # True: ``weight`` is stored (in, out), as transformers' Conv1D
 
@@ -338,11 +346,13 @@ class RandomizedLinear(nn.Linear):
         return self.allocation.rows(self.name, k, n, self.min_rows), k, True
 
     def _next_seed(self) -> int:
-        if self._gen is None:
-            rank = 0
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                rank = torch.distributed.get_rank()  # each rank draws its own sketches
+        # Each rank draws its own sketches. The rank is read at every draw: a stream begun before
+        # the process group existed (a sanity step before init_process_group) was rank 0's on
+        # every process, and kept, the ranks' noise would no longer average out.
+        rank = process_rank()
+        if self._gen is None or self._gen_rank != rank:
             self._gen = torch.Generator().manual_seed(_stable_seed(self.seed, self.name, rank))
+            self._gen_rank = rank
         self.calls += 1
         return int(torch.randint(0, 2**62, (), generator=self._gen))
 

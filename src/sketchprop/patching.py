@@ -1,8 +1,8 @@
 """Module surgery, the one place that does it: :func:`patch_linear` swaps linear layers
 (``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear`,
-:func:`patch_activations` swaps dropout and GELU modules for their compact forms
-(:mod:`sketchprop.activations`), gives gated MLPs, RMSNorms and a causal LM's loss forwards of
-their own (:mod:`sketchprop.decoder`) and switches the attention function; each has an inverse.
+:func:`patch_activations` swaps dropout, GELU and LayerNorm modules for their compact forms,
+gives gated MLPs, RMSNorms and a causal LM's loss forwards of their own and switches the attention
+function (the parts: :mod:`sketchprop.activations`); each has an inverse.
 
 Both follow one pattern: select modules by type and by regexes on their qualified names, check
 every argument and every match, build every replacement, and only then change the model
@@ -16,14 +16,16 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import types
 from collections import Counter
 from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
 from . import activations as act
+from .activations.attention import _attention_keeps_no_probabilities, _attention_owner, _attention_refusal
+from .activations.mlp import forget_mlp_check
 from .allocation import ALLOCATIONS, VarianceAllocation
-from .decoder import forget_mlp_check, restore_forward
 from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
 from .quantize import DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
@@ -275,27 +277,6 @@ def _is_dropout(module: nn.Module) -> bool:
     return type(module) is nn.Dropout
 
 
-def _attention_owner(model: nn.Module) -> nn.Module:
-    """The transformers model whose attention function ``model`` calls: ``model`` itself, or the
-    base model a wrapper holds (a peft model's ``get_base_model()``). Raises unless its attention
-    can be switched through ``AttentionInterface``."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover
-        PreTrainedModel = None  # noqa: N806
-    owner = model
-    if PreTrainedModel is not None and not isinstance(owner, PreTrainedModel) \
-            and callable(getattr(owner, "get_base_model", None)):
-        owner = owner.get_base_model()
-    if PreTrainedModel is None or not isinstance(owner, PreTrainedModel):
-        raise ValueError(f"attention='recompute' needs a transformers PreTrainedModel, got "
-                         f"{type(model).__name__}; pass attention='stored'")
-    if not owner._can_set_attn_implementation():
-        raise ValueError(f"{type(owner).__name__} does not call its attention through "
-                         "transformers' AttentionInterface; pass attention='stored'")
-    return owner
-
-
 class _Default:
     """A ``patch_activations`` argument left at its default, the recommended value: that part
     applies where the model has what it replaces, and is left (and said so) where it has not."""
@@ -313,7 +294,7 @@ class _Default:
         return hash(self.value)
 
 
-#: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.decoder`).
+#: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.activations.mlp`, ``.norms``, ``.loss``).
 MLP = ("stored", "recompute", "input", "auto")
 RMSNORM = ("stored", "compact")
 LM_LOSS = ("stored", "chunked")
@@ -334,67 +315,20 @@ def _transformers_owner(model: nn.Module) -> nn.Module | None:
     return owner if isinstance(owner, PreTrainedModel) else None
 
 
-def _attention_refusal(owner: nn.Module) -> str | None:
-    """Why :func:`~sketchprop.activations.recompute_attention` cannot stand in for ``owner``'s
-    attention (it computes plain softmax attention, K/V heads grouped or not), or None."""
-    config = owner.config
-    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"{type(owner).__name__} caps its attention scores (config.{name})"
-    if any("sinks" in n for n, _ in owner.named_parameters()):
-        return f"{type(owner).__name__} has attention sinks"
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads",
-                                                                        None)
-    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
-        return f"its {heads} query heads are not a multiple of its {kv} key/value heads"
-    return None
+def override_forward(module: nn.Module, forward: Callable) -> None:
+    """Give ``module`` its own ``forward`` (an instance attribute, as :func:`restore_forward` finds
+    it): its type, parameters, submodules and state_dict stay as they are."""
+    module.__dict__["forward"] = forward
 
 
-# Config keys of the attention probabilities' dropout rate, across transformers' models.
-_ATTENTION_DROPOUT = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop",
-                      "attn_dropout")
+def bound(fn: Callable, module: nn.Module) -> Callable:
+    return types.MethodType(fn, module)
 
 
-def _attention_dropout_rates(config) -> list[float]:
-    """The attention-dropout rates a config gives, its sub-configs' (a vision or audio tower's)
-    included."""
-    rates, seen, todo = [], set(), [config]
-    while todo:
-        c = todo.pop()
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
-        rates += [float(getattr(c, n)) for n in _ATTENTION_DROPOUT
-                  if isinstance(getattr(c, n, None), (int, float))]
-        todo += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
-    return rates
-
-
-def _attention_keeps_no_probabilities(model: nn.Module, owner: nn.Module) -> str | None:
-    """Why the default ``attention="recompute"`` is left on ``model``, or None where it applies:
-    its attention already keeps no probabilities (an SDPA or flash implementation with no
-    attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
-    be made again from the block's input (no BERT-style ``query``/``key``/``value``). There the
-    recompute saves only the attention's output, where the output projection does not keep it
-    anyway (a sketched or LoRA ``o_proj``), and in a padded batch the float mask SDPA keeps per
-    layer (the recompute keeps one boolean mask), for a second pass over the attention in
-    backward (on a Llama shape on CPU: nothing with exact linear layers, 4% of exact's saved bytes
-    with ours at rho 0.1, for about 7% of a step), so the default leaves it; asked for, it
-    applies."""
-    config = owner.config  # owner: the transformers model whose attention function is switched
-    impl = getattr(config, "_attn_implementation", None)
-    if impl is None or impl == "eager":
-        return None
-    rates = _attention_dropout_rates(config)
-    # An attention module's own rate counts too: a sub-model's may come from a key of its own.
-    rates += [float(m.attention_dropout) for m in model.modules()
-              if isinstance(getattr(m, "attention_dropout", None), (int, float))]
-    if not rates or any(r > 0 for r in rates) or any(act.has_projections(m)
-                                                      for m in model.modules()):
-        return None
-    return (f"its {impl} attention has no dropout, so it keeps no probabilities: recomputing "
-            f"would save at most its output (and, in a padded batch, a float mask per layer), for "
-            f"a second pass in backward; pass attention='recompute' to apply it anyway")
+def restore_forward(module: nn.Module, forward: Callable) -> None:
+    """Undo :func:`override_forward` where ``forward`` is still the module's own forward."""
+    if module.__dict__.get("forward") is forward:
+        del module.__dict__["forward"]
 
 
 def _patterns(targets, exclude) -> str:
@@ -421,7 +355,7 @@ def patch_activations(
     tells what it applied and what it left: the returned names, and one line logged (INFO, logger
     ``sketchprop.patching``). It raises only when nothing at all applies. A part given explicitly
     raises when the model has nothing it applies to, with the option to change in the message.
-    (:mod:`sketchprop.activations` and :mod:`sketchprop.decoder` say what each part keeps and why
+    (The modules of :mod:`sketchprop.activations`, one per part, say what each part keeps and why
     the defaults are what they are.) Composes with :func:`patch_linear`, in either order, and
     with peft adapters.
 
@@ -443,7 +377,7 @@ def patch_activations(
             backward.
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
-            :class:`~sketchprop.decoder.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
+            :class:`~sketchprop.activations.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
             ``gelu_new``), or None to leave GELU as it is.
         gelu_code: ``"stochastic"`` (unbiased) or ``"optimal"`` (deterministic, biased).
         layernorm: ``"output"`` (:class:`~sketchprop.activations.OutputLayerNorm` in place of each
@@ -451,18 +385,18 @@ def patch_activations(
             in a post-LN encoder, and per-row statistics, not from the input; exact to float32
             rounding) or ``"stored"``.
         mlp: ``"recompute"``: each SiLU-gated MLP (Llama's ``down(silu(gate(x)) * up(x))``)
-            keeps the gate and up outputs only (:func:`~sketchprop.decoder.gated_mlp_forward`;
+            keeps the gate and up outputs only (:func:`~sketchprop.activations.gated_mlp_forward`;
             exact); ``"input"``: it keeps its input only, and backward computes the gate and up
-            projections again (:func:`~sketchprop.decoder.gated_mlp_input_forward`; exact; two
+            projections again (:func:`~sketchprop.activations.gated_mlp_input_forward`; exact; two
             more matmuls per MLP); ``"auto"``: ``"input"`` where the gate and up projections'
             full-size weights are frozen (LoRA: a step that stays under exact's time), else
             ``"recompute"``, decided on each call (an MLP whose gate or up projection is not a
             plain or LoRA linear layer, or has LoRA dropout, keeps the gate and up outputs under
             ``"input"`` too); or ``"stored"``.
         rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
-            row (:class:`~sketchprop.decoder.RMSNormFunction`; exact), or ``"stored"``.
+            row (:class:`~sketchprop.activations.RMSNormFunction`; exact), or ``"stored"``.
         lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
-            tokens, the logits made again in backward (:func:`~sketchprop.decoder.chunked_lm_loss`;
+            tokens, the logits made again in backward (:func:`~sketchprop.activations.chunked_lm_loss`;
             exact; ``logits`` is None in the output while it trains with labels), or ``"stored"``.
         targets / exclude: regexes on qualified module names selecting the dropout, GELU,
             LayerNorm, MLP and RMSNorm modules, as in :func:`patch_linear`.
@@ -478,8 +412,6 @@ def patch_activations(
             explicitly whose part the model lacks (or the patterns do not match); patterns that
             match no module of any part; nothing to apply. Nothing is changed when it raises.
     """
-    from . import decoder as dec
-
     options = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
                "gelu_code": gelu_code, "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm,
                "lm_loss": lm_loss}
@@ -532,10 +464,10 @@ def patch_activations(
         new.update({n: kind.from_dropout(model.get_submodule(n)) for n in names})
         applied["dropout"], selected = len(names), selected + len(names)
     if gelu_bits is not None:
-        names = select("gelu_bits", lambda m: act.is_exact_gelu(m) or dec.is_tanh_gelu(m),
+        names = select("gelu_bits", lambda m: act.is_exact_gelu(m) or act.is_tanh_gelu(m),
                        "GELU module (nn.GELU, transformers' gelu, gelu_new or gelu_pytorch_tanh)")
         for n in names:
-            kind = dec.CompactTanhGELU if dec.is_tanh_gelu(model.get_submodule(n)) \
+            kind = act.CompactTanhGELU if act.is_tanh_gelu(model.get_submodule(n)) \
                 else act.CompactGELU
             new[n] = kind(gelu_bits, gelu_code, name=n).train(model.get_submodule(n).training)
         applied["gelu_bits"], selected = len(names), selected + len(names)
@@ -544,19 +476,19 @@ def patch_activations(
         new.update({n: act.OutputLayerNorm.from_layernorm(model.get_submodule(n)) for n in names})
         applied["layernorm"], selected = len(names), selected + len(names)
     for part, on, kind, what, forward in (
-            ("mlp", mlp != "stored", dec.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
+            ("mlp", mlp != "stored", act.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
              "up_proj, down_proj)",
-             {"input": dec.gated_mlp_input_forward, "recompute": dec.gated_mlp_forward,
-              "auto": dec.gated_mlp_auto_forward}.get(mlp)),
-            ("rmsnorm", rmsnorm != "stored", dec.is_rms_norm, "Llama-form RMSNorm",
-             dec.rms_norm_forward)):
+             {"input": act.gated_mlp_input_forward, "recompute": act.gated_mlp_forward,
+              "auto": act.gated_mlp_auto_forward}.get(mlp)),
+            ("rmsnorm", rmsnorm != "stored", act.is_rms_norm, "Llama-form RMSNorm",
+             act.rms_norm_forward)):
         if on:
             names = select(part, kind, what)
-            forwards.update({n: (model.get_submodule(n), dec.bound(forward, model.get_submodule(n)))
+            forwards.update({n: (model.get_submodule(n), bound(forward, model.get_submodule(n)))
                              for n in names})
             applied[part], selected = len(names), selected + len(names)
             if part == "mlp" and mlp == "auto" and names:
-                frozen = sum(dec.keeps_input(model.get_submodule(n)) for n in names)
+                frozen = sum(act.keeps_input(model.get_submodule(n)) for n in names)
                 notes["mlp"] = f"; its input kept where the gate and up weights are frozen: " \
                                f"{frozen} now"
     if where and not selected:
@@ -565,13 +497,13 @@ def patch_activations(
                          "RMSNorm)")
     owner = _transformers_owner(model)
     if lm_loss != "stored":
-        reason = "not a transformers model" if owner is None else dec.lm_loss_refusal(owner)
+        reason = "not a transformers model" if owner is None else act.lm_loss_refusal(owner)
         if reason is not None:
             leave("lm_loss", reason)
         else:
             head = owner.get_output_embeddings()
             name = next(n for n, m in model.named_modules() if m is head)
-            forwards[name] = (owner, dec.LMLossForward(owner))
+            forwards[name] = (owner, act.LMLossForward(owner))
             applied["lm_loss"] = 1
     if attention == "recompute":
         try:
@@ -595,13 +527,13 @@ def patch_activations(
     state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None,
              "forwards": forwards, "names": sorted([*new, *forwards], key=order.index)}
     for module, forward in forwards.values():
-        dec.override_forward(module, forward)
+        override_forward(module, forward)
     if applied.get("attention"):
         owner = _attention_owner(model)
         state["attention"] = owner.config._attn_implementation
         owner.set_attn_implementation(act.register_attention())
         # Self-attention modules hand their input to the attention function, which keeps it in
-        # place of Q, K and V where it can make them again (sketchprop.activations).
+        # place of Q, K and V where it can make them again (sketchprop.activations.attention).
         state["hooks"] = [
             hook for m in owner.modules() if act.has_projections(m)
             for hook in (m.register_forward_pre_hook(act.keep_attention_input, with_kwargs=True),

@@ -1,0 +1,112 @@
+r"""Compact activations: what backward keeps besides the linear layers' inputs, one module per part.
+
+A transformer encoder saves more for backward than its linear inputs: the attention core (softmax
+output, dropped probabilities, Q, K, V), the dropout masks (a float per element on CPU) and the
+GELU inputs. A decoder fine-tuned with LoRA saves for backward mostly what its elementwise code
+keeps: the SiLU-gated MLP keeps SiLU's input, its output and both factors of the product; an
+RMSNorm written as Python ops keeps its input, its float32 normalised input and the product; the
+loss keeps the log-probabilities of every token over the whole vocabulary. Each has a leaner form,
+here as drop-in replacements that :func:`sketchprop.patch_activations` puts into a model (each
+part the model has); each module's docstring says what its part keeps and why:
+
+- :mod:`~sketchprop.activations.dropout`: :class:`SeededDropout`, :class:`PackedDropout`
+  (``dropout=``).
+- :mod:`~sketchprop.activations.attention`: :func:`recompute_attention` (``attention=``).
+- :mod:`~sketchprop.activations.gelu`: :class:`CompactGELU`, :class:`CompactTanhGELU` and their
+  codes, :class:`GeluCode` (``gelu_bits=``, ``gelu_code=``).
+- :mod:`~sketchprop.activations.norms`: :class:`OutputLayerNorm` (``layernorm=``),
+  :class:`RMSNormFunction` (``rmsnorm=``).
+- :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards (``mlp=``).
+- :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
+- shared by several parts: :mod:`~sketchprop.activations.seeds` (seeds and dropout masks),
+  :mod:`~sketchprop.activations.packing` (bit packing), :mod:`~sketchprop.activations.projections`
+  (projections made again in backward).
+
+**Eval mode.** Dropout is off and :class:`CompactGELU` is the exact GELU (it keeps its input):
+gradients taken in eval mode (saliency, say) are the plain model's, and deterministic.
+"""
+
+from .attention import (
+    ATTENTION,
+    ATTENTION_NAME,
+    drop_attention_input,
+    forget_attention_check,
+    has_projections,
+    keep_attention_input,
+    recompute_attention,
+    register_attention,
+)
+from .dropout import DROPOUT, PackedDropout, SeededDropout
+from .gelu import (
+    DEFAULT_GELU_BITS,
+    DEFAULT_GELU_CODE,
+    GELU_CODES,
+    CompactGELU,
+    CompactTanhGELU,
+    GeluCode,
+    _CompactGeluFunction,  # noqa: F401  (scripts/gelu_bits.py applies it directly)
+    gelu_derivative,
+    gelu_tanh_derivative,
+    is_exact_gelu,
+    is_tanh_gelu,
+)
+from .loss import LMLossForward, chunked_lm_loss, lm_loss_refusal
+from .mlp import (
+    GatedDown,
+    GatedFromInput,
+    SiluProduct,
+    frozen_projections,
+    gated_mlp_auto_forward,
+    gated_mlp_forward,
+    gated_mlp_input_forward,
+    is_gated_mlp,
+    keeps_input,
+)
+from .norms import LAYERNORM, OutputLayerNorm, RMSNormFunction, is_layernorm, is_rms_norm, rms_norm_forward
+from .packing import pack_codes, unpack_codes
+from .seeds import keep_mask
+
+__all__ = [
+    "ATTENTION",
+    "ATTENTION_NAME",
+    "DEFAULT_GELU_BITS",
+    "DEFAULT_GELU_CODE",
+    "DROPOUT",
+    "GELU_CODES",
+    "LAYERNORM",
+    "CompactGELU",
+    "CompactTanhGELU",
+    "GatedDown",
+    "GatedFromInput",
+    "GeluCode",
+    "LMLossForward",
+    "OutputLayerNorm",
+    "PackedDropout",
+    "RMSNormFunction",
+    "SeededDropout",
+    "SiluProduct",
+    "chunked_lm_loss",
+    "drop_attention_input",
+    "forget_attention_check",
+    "frozen_projections",
+    "gated_mlp_auto_forward",
+    "gated_mlp_forward",
+    "gated_mlp_input_forward",
+    "gelu_derivative",
+    "gelu_tanh_derivative",
+    "has_projections",
+    "is_exact_gelu",
+    "is_gated_mlp",
+    "is_layernorm",
+    "is_rms_norm",
+    "is_tanh_gelu",
+    "keep_attention_input",
+    "keep_mask",
+    "keeps_input",
+    "lm_loss_refusal",
+    "pack_codes",
+    "recompute_attention",
+    "register_attention",
+    "rms_norm_forward",
+    "unpack_codes",
+]

@@ -1,0 +1,408 @@
+r"""Attention that keeps no probabilities for backward (``attention="recompute"``), and which
+models it applies to.
+
+**Attention** (:func:`recompute_attention`, ``attention="recompute"``): an attention function
+registered in transformers' ``AttentionInterface`` that recomputes the probabilities (and their
+dropout mask) in backward, as Megatron-LM's selective recomputation does (Korthikanti et al.
+2022). It saves the padding mask, a seed, and, in place of Q, K and V, the self-attention
+block's input, from which backward makes Q, K and V again with the projections' weights: one
+activation of the hidden size instead of three, for a second Q/K/V projection in backward
+(where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
+Exact. On CUDA it calls PyTorch's ``scaled_dot_product_attention``, whose memory-efficient and
+flash kernels already keep no probabilities (but keep Q, K and V).
+
+Attention (grouped K/V heads, rotary embeddings) goes through
+:func:`recompute_attention`, which keeps the rotated Q and K and the
+unrepeated K/V heads (``num_key_value_heads`` of them) and recomputes the probabilities.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..functional import seed_tensor
+from .projections import _linear_weights, forward_hooks_on
+from .seeds import _draw_seed, _drop_threshold, keep_mask
+
+#: ``attention=`` values.
+ATTENTION = ("stored", "recompute")
+
+#: The name under which :func:`recompute_attention` is registered with transformers.
+ATTENTION_NAME = "sketchprop_recompute"
+
+
+def _softmax_dtype(q: Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)  # half precision softmax in float32
+
+
+def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p: float,
+                   seed: int) -> tuple[Tensor, Tensor | None]:
+    """Softmax probabilities (in float32 at least) and the dropout keep mask (None when
+    ``p == 0``)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(_softmax_dtype(q)).mul_(scaling)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores += mask
+    probs = torch.softmax(scores, dim=-1)
+    keep = keep_mask(probs.shape, p, seed, probs.device) if p > 0 else None
+    return probs, keep
+
+
+def _repeat_heads(t: Tensor, heads: int) -> Tensor:
+    """K or V with grouped heads (``num_key_value_heads`` of them) repeated to ``heads``, as
+    transformers' ``repeat_kv`` does: key/value head ``j`` serves query heads ``j g .. j g + g - 1``."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_heads(grad: Tensor, heads: int) -> Tensor:
+    """The gradient of :func:`_repeat_heads`: each group of query heads summed into its head."""
+    return grad if grad.shape[1] == heads else grad.unflatten(1, (heads, -1)).sum(2)
+
+
+def _attend(q, k, v, mask, scaling: float, p: float, seed: int) -> Tensor:
+    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V`` (K and V may have fewer,
+    grouped heads)."""
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    probs, keep = _probabilities(q, k, mask, scaling, p, seed)
+    if keep is not None:
+        probs.mul_(keep).mul_(_drop_threshold(p)[1])
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _attention_grads(dout, q, k, v, mask, scaling: float, p: float,
+                     seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of :func:`_attend`, its probabilities and dropout mask made again."""
+    kv_heads = k.shape[1]
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    probs, keep = _probabilities(q, k, mask, scaling, p, seed)
+    dropped = probs
+    dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
+    if keep is not None:
+        scale = _drop_threshold(p)[1]
+        dropped = (probs * keep).mul_(scale)
+        dprobs.mul_(keep).mul_(scale)
+    dv = torch.matmul(dropped.to(v.dtype).transpose(-1, -2), dout)
+    # Softmax backward: dS = P * (dP - sum(dP * P)).
+    dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scaling)
+    dscores = dscores.to(q.dtype)
+    dk = torch.matmul(dscores.transpose(-1, -2), q)
+    return torch.matmul(dscores, k), _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """:func:`_attend` that saves Q, K, V, the mask and the dropout seed, and recomputes the
+    probabilities in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor):
+        ctx.scaling, ctx.p = scaling, p
+        ctx.save_for_backward(q, k, v, mask, seed)
+        return _attend(q, k, v, mask, scaling, p, int(seed))
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, seed = ctx.saved_tensors
+        return *_attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed)), *[None] * 4
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+             head_dim: int) -> Tensor:
+    """``F.linear(x, weight, bias)`` in ``dtype`` (autocast's casts, done by hand) as heads:
+    ``(B, L, H * D) -> (B, H, L, D)``, what BERT's self-attention gives the attention function."""
+    y = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+
+class _ProjectedAttention(torch.autograd.Function):
+    """:func:`_attend` that saves the attention block's input ``x`` (and the projections' weights,
+    which are parameters) in place of Q, K and V, and makes Q, K and V again in backward from
+    ``x``: one activation of the hidden size kept instead of three. Its gradients are those of
+    :class:`_RecomputedAttention`, bit for bit: the same ``F.linear`` gives the same Q, K, V."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
+                pairs: tuple):
+        ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
+        # Detached views share storage and version counter: an in-place change to x or a weight
+        # before backward still raises, and the meter counts x once with the linears' own copy.
+        ctx.save_for_backward(mask, seed, x.detach(), *(None if t is None else t.detach()
+                                                        for pair in pairs for t in pair))
+        return _attend(q, k, v, mask, scaling, p, int(seed))
+
+    @staticmethod
+    def backward(ctx, dout):
+        mask, seed, x, *weights = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim)
+                   for w, b in zip(weights[0::2], weights[1::2], strict=True)]
+        grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
+        return *grads, *[None] * 6
+
+
+#: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
+#: input, which changes with every call, travels per call and per thread: :data:`_calls`.)
+_CHECKED = "_sketchprop_qkv_checked"
+_PROJECTIONS = ("query", "key", "value")
+# A call with any of these set projects something else than its own input (a cache, an encoder).
+_OTHER_SOURCES = ("cache", "past_key_values", "past_key_value", "encoder_hidden_states")
+
+
+def has_projections(module: nn.Module) -> bool:
+    """Whether ``module`` is a BERT-style self-attention: ``query``, ``key`` and ``value``
+    submodules applied to its first argument."""
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
+
+
+# Per thread: {id(module): [input of each self-attention call in progress, innermost last]}.
+# A call's input is per call, never module state: two threads, or a module called again inside
+# its own call, each see their own.
+_calls = threading.local()
+
+
+def _inputs() -> dict[int, list]:
+    inputs = getattr(_calls, "inputs", None)
+    if inputs is None:
+        inputs = _calls.inputs = {}
+    return inputs
+
+
+def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
+    copy), for this call and thread only, for :func:`recompute_attention` to save in place of
+    Q, K and V."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    own = isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES)
+    _inputs().setdefault(id(module), []).append(x if own else None)
+
+
+def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    """Forward hook (also on an exception): forget what :func:`keep_attention_input` kept."""
+    inputs = _inputs()
+    stack = inputs.get(id(module))
+    if stack:
+        stack.pop()
+        if not stack:
+            del inputs[id(module)]
+
+
+def _attention_input(module: nn.Module) -> Tensor | None:
+    stack = _inputs().get(id(module))
+    return stack[-1] if stack else None
+
+
+def forget_attention_check(module: nn.Module) -> None:
+    """Drop what :func:`recompute_attention` noted on ``module`` (its Q, K, V check)."""
+    module.__dict__.pop(_CHECKED, None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether hooks may change what reaches or leaves the projections in this call: a forward
+    hook on a projection, a global forward hook, or a pre-hook on ``module`` besides
+    :func:`keep_attention_input` (one added after it sees, and may change, the input after it
+    was kept)."""
+    return len(module._forward_pre_hooks) > 1 or forward_hooks_on(
+        getattr(module, n) for n in _PROJECTIONS)
+
+
+def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
+                        value: Tensor) -> tuple[Tensor, tuple] | None:
+    """The attention block's input and its Q, K, V projections' ``(weight, bias)`` pairs when Q,
+    K and V can be made again from them, else None. The first call on a module checks that they
+    give the very Q, K, V the model passed (one extra projection, once), and so does every call
+    while hooks may change them (:func:`_hooked`); a module that fails the check keeps Q, K and V
+    from then on, with a warning."""
+    x = _attention_input(module)
+    pairs = [_linear_weights(getattr(module, n, None)) for n in _PROJECTIONS]
+    if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
+            or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
+        return None
+    if _CHECKED not in module.__dict__ or _hooked(module):
+        with torch.no_grad():
+            same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1]), t)
+                       for (w, b), t in zip(pairs, (query, key, value), strict=True))
+        module.__dict__[_CHECKED] = same
+        if not same:
+            warnings.warn(f"{type(module).__name__}'s Q, K, V are not its projections of its "
+                          "input; recompute_attention keeps Q, K and V for this module",
+                          stacklevel=3)
+            return None
+    return x, tuple(pairs)
+
+
+def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                        attention_mask: Tensor | None, scaling: float | None = None,
+                        dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """An attention function for transformers' ``AttentionInterface`` (same signature as its
+    ``eager_attention_forward``) that keeps no probabilities for backward.
+
+    On CUDA it is PyTorch's ``scaled_dot_product_attention`` (through transformers'
+    ``sdpa_attention_forward``), whose efficient kernels recompute the probabilities themselves;
+    elsewhere :class:`_RecomputedAttention` (SDPA too when there is neither a gradient to keep
+    anything for nor a dropout mask to draw). ``attention_mask`` is the boolean mask
+    of the mask function registered beside it (True: attend), or None without padding; an additive
+    float mask works too. Returns ``(output (B, L, H, D), None)``: attention weights are not
+    materialised, except when the model asks for them (``output_attentions=True``): then the
+    probabilities are computed as eager attention does, returned and kept for backward.
+    """
+    if query.shape[1] % key.shape[1] or value.shape[1] != key.shape[1]:
+        raise ValueError("recompute_attention needs the query heads to be a multiple of the "
+                         f"key/value heads, got {query.shape[1]} and {key.shape[1]}/{value.shape[1]}")
+    # It computes plain softmax attention: a soft cap on the scores or attention sinks would be
+    # left out, silently (patch_activations refuses such models before it changes them).
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"recompute_attention does not support {name}; pass attention='stored'")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    # A forward without grad but with dropout (a reentrant checkpoint's first pass) draws its
+    # masks as the recomputation will: through the Function, not SDPA's own generator.
+    weights = kwargs.get("output_attentions")
+    if not weights and (query.device.type == "cuda" or not (needs_grad or dropout > 0)):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    autocast = torch.is_autocast_enabled(query.device.type)
+    if autocast:  # compute in the dtype autocast gives the projections' matmuls, as eager does
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if weights:
+        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout)
+    projected = _projection_weights(module, query, key, value) if needs_grad else None
+    # No dropout, no seed: the global stream stays as the plain model leaves it.
+    seed = _draw_seed() if dropout > 0 else seed_tensor(0)
+    with torch.autocast(query.device.type, enabled=False):
+        args = (query, key, value, attention_mask, float(scaling), float(dropout), seed)
+        if projected is None:
+            out = _RecomputedAttention.apply(*args)
+        else:
+            out = _ProjectedAttention.apply(*args, *projected)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_weights(q, k, v, mask, scaling: float, p: float) -> tuple[Tensor, Tensor]:
+    """Attention by autograd that returns its (dropped) probabilities in ``q``'s dtype, as
+    transformers' eager attention does: for ``output_attentions=True``."""
+    seed = int(_draw_seed()) if p > 0 else 0
+    with torch.autocast(q.device.type, enabled=False):
+        probs, keep = _probabilities(q, k, mask, float(scaling), p, seed)
+        if keep is not None:
+            probs = probs * keep * _drop_threshold(p)[1]
+        out = torch.matmul(probs.to(v.dtype), v)
+    return out.transpose(1, 2).contiguous(), probs.to(q.dtype)
+
+
+def _recompute_attention_mask(*args, **kwargs):
+    """transformers' boolean SDPA mask, never skipped for a causal pattern (the attention function
+    reads only the mask, never ``is_causal``); None for full attention without padding."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> str:
+    """Register :func:`recompute_attention` in transformers' ``AttentionInterface`` and its mask
+    function in ``AttentionMaskInterface`` (without the latter the model builds no mask for it and
+    padding is attended); returns the name. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, recompute_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _recompute_attention_mask)
+    return ATTENTION_NAME
+
+
+# Which models it stands in for (patch_activations asks before it changes anything).
+
+
+def _attention_owner(model: nn.Module) -> nn.Module:
+    """The transformers model whose attention function ``model`` calls: ``model`` itself, or the
+    base model a wrapper holds (a peft model's ``get_base_model()``). Raises unless its attention
+    can be switched through ``AttentionInterface``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        PreTrainedModel = None  # noqa: N806
+    owner = model
+    if PreTrainedModel is not None and not isinstance(owner, PreTrainedModel) \
+            and callable(getattr(owner, "get_base_model", None)):
+        owner = owner.get_base_model()
+    if PreTrainedModel is None or not isinstance(owner, PreTrainedModel):
+        raise ValueError(f"attention='recompute' needs a transformers PreTrainedModel, got "
+                         f"{type(model).__name__}; pass attention='stored'")
+    if not owner._can_set_attn_implementation():
+        raise ValueError(f"{type(owner).__name__} does not call its attention through "
+                         "transformers' AttentionInterface; pass attention='stored'")
+    return owner
+
+
+def _attention_refusal(owner: nn.Module) -> str | None:
+    """Why :func:`recompute_attention` cannot stand in for ``owner``'s
+    attention (it computes plain softmax attention, K/V heads grouped or not), or None."""
+    config = owner.config
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            return f"{type(owner).__name__} caps its attention scores (config.{name})"
+    if any("sinks" in n for n, _ in owner.named_parameters()):
+        return f"{type(owner).__name__} has attention sinks"
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads",
+                                                                        None)
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        return f"its {heads} query heads are not a multiple of its {kv} key/value heads"
+    return None
+
+
+# Config keys of the attention probabilities' dropout rate, across transformers' models.
+_ATTENTION_DROPOUT = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop",
+                      "attn_dropout")
+
+
+def _attention_dropout_rates(config) -> list[float]:
+    """The attention-dropout rates a config gives, its sub-configs' (a vision or audio tower's)
+    included."""
+    rates, seen, todo = [], set(), [config]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        rates += [float(getattr(c, n)) for n in _ATTENTION_DROPOUT
+                  if isinstance(getattr(c, n, None), (int, float))]
+        todo += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    return rates
+
+
+def _attention_keeps_no_probabilities(model: nn.Module, owner: nn.Module) -> str | None:
+    """Why the default ``attention="recompute"`` is left on ``model``, or None where it applies:
+    its attention already keeps no probabilities (an SDPA or flash implementation with no
+    attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
+    be made again from the block's input (no BERT-style ``query``/``key``/``value``). There the
+    recompute saves only the attention's output, where the output projection does not keep it
+    anyway (a sketched or LoRA ``o_proj``), and in a padded batch the float mask SDPA keeps per
+    layer (the recompute keeps one boolean mask), for a second pass over the attention in
+    backward (on a Llama shape on CPU: nothing with exact linear layers, 4% of exact's saved bytes
+    with ours at rho 0.1, for about 7% of a step), so the default leaves it; asked for, it
+    applies."""
+    config = owner.config  # owner: the transformers model whose attention function is switched
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None or impl == "eager":
+        return None
+    rates = _attention_dropout_rates(config)
+    # An attention module's own rate counts too: a sub-model's may come from a key of its own.
+    rates += [float(m.attention_dropout) for m in model.modules()
+              if isinstance(getattr(m, "attention_dropout", None), (int, float))]
+    if not rates or any(r > 0 for r in rates) or any(has_projections(m)
+                                                      for m in model.modules()):
+        return None
+    return (f"its {impl} attention has no dropout, so it keeps no probabilities: recomputing "
+            f"would save at most its output (and, in a padded batch, a float mask per layer), for "
+            f"a second pass in backward; pass attention='recompute' to apply it anyway")

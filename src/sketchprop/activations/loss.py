@@ -1,0 +1,206 @@
+r"""A causal language model's loss by chunks of tokens, the logits made again in backward
+(``lm_loss="chunked"``).
+
+**Language-model loss** (``lm_loss="chunked"``, :func:`chunked_lm_loss`): the cross-entropy of a
+causal LM computed by chunks of tokens, whose logits are made again in backward, so the
+``(tokens, vocabulary)`` logits never exist at once and backward keeps only the final hidden
+states and one float32 log-sum-exp per token, as Liger-Kernel's fused linear cross-entropy and
+Apple's Cut Cross-Entropy do. Exact. Patched in, it replaces the causal LM's forward while the
+model trains with labels (the loss of ``model(**batch)`` is this one, and ``logits`` is None,
+as with Liger's patches); without labels, without gradients or in eval mode the forward is the
+model's own and returns logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .projections import _autocast_dtype
+
+#: Logits per chunk of :func:`chunked_lm_loss` by default (64 MiB in float32): chunks of a few
+#: rows would read the whole output weight once per chunk, which on a CPU costs more than the
+#: matmuls (16-row chunks made a Llama-shaped step 3x slower).
+CHUNK_LOGITS = 2**24
+
+
+def _chunk_rows(rows: int, hidden: int, vocab: int, chunk_size: int | None) -> int:
+    """Rows per chunk: ``chunk_size``, or as many as make :data:`CHUNK_LOGITS` logits, at least
+    one."""
+    if chunk_size is not None:
+        return chunk_size
+    return max(1, min(rows, CHUNK_LOGITS // vocab))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum over rows of ``-log softmax(h W^T + b)[target]``, by chunks of rows, times ``scale``;
+    keeps ``h``, the weight and each row's log-sum-exp (float32)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, scale: float,
+                chunk: int, dtype: torch.dtype) -> Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            for i in range(0, h.shape[0], chunk):
+                logits = F.linear(h[i:i + chunk].to(dtype), w, b).float()
+                lse[i:i + chunk] = torch.logsumexp(logits, -1)
+                picked = logits.gather(1, target[i:i + chunk, None])[:, 0]
+                total += (lse[i:i + chunk] - picked).sum()
+        ctx.save_for_backward(h, weight, bias, target, lse)
+        ctx.scale, ctx.chunk, ctx.dtype = scale, chunk, dtype
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, dloss: Tensor):
+        h, weight, bias, target, lse = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        b = None if bias is None else bias.to(ctx.dtype)
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        dh = torch.empty_like(h) if want_h else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_w else None
+        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) \
+            if want_b and bias is not None else None
+        factor = dloss.float() * ctx.scale
+        for i in range(0, h.shape[0], ctx.chunk):
+            hc = h[i:i + ctx.chunk].to(ctx.dtype)
+            logits = F.linear(hc, w, b).float()
+            # d loss / d logits = softmax - one_hot(target), times the upstream factor.
+            dlogits = logits.sub_(lse[i:i + ctx.chunk, None]).exp_()
+            rows = torch.arange(dlogits.shape[0], device=h.device)
+            dlogits[rows, target[i:i + ctx.chunk]] -= 1
+            dlogits.mul_(factor)
+            if db is not None:
+                db += dlogits.sum(0)
+            dlogits = dlogits.to(ctx.dtype)
+            if dh is not None:
+                dh[i:i + ctx.chunk] = dlogits.matmul(w).to(h.dtype)
+            if dw is not None:
+                dw += dlogits.T.matmul(hc).float()
+        return (dh, None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None)
+
+
+def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None = None,
+                    bias: Tensor | None = None, *, shift_labels: Tensor | None = None,
+                    ignore_index: int = -100, num_items_in_batch: Tensor | int | None = None,
+                    chunk_size: int | None = None) -> Tensor:
+    """A causal LM's cross-entropy loss from its final hidden states and its output layer's
+    ``weight`` (and ``bias``), never forming all the logits at once: exactly transformers'
+    ``ForCausalLMLoss`` on ``F.linear(hidden_states, weight, bias)``.
+
+    ``labels`` (``(batch, length)``, ``ignore_index`` where no loss) are shifted left by one, as
+    transformers does (or pass ``shift_labels`` already shifted). The mean is over the tokens that
+    have a label, or the sum divided by ``num_items_in_batch`` where given (gradient accumulation,
+    as HF's Trainer passes it). Rows without a label are left out before any logit is computed.
+
+    Tokens are taken by chunks of ``chunk_size`` rows (default: as many as make 2^24 logits, 64
+    MiB in float32); backward computes each chunk's logits again from the
+    hidden states it kept and the per-token log-sum-exp. Under autocast the logits are computed in
+    autocast's dtype and the softmax in float32, as the unpatched model does.
+
+    To use it without :func:`~sketchprop.patch_activations` (a peft or hand-written loop)::
+
+        out = model.model(input_ids, attention_mask=mask)   # the decoder, without its head
+        loss = chunked_lm_loss(out.last_hidden_state, model.lm_head.weight, labels)
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("chunked_lm_loss needs labels or shift_labels")
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if shift_labels.shape != hidden_states.shape[:-1]:
+        raise ValueError(f"labels of shape {tuple(shift_labels.shape)} do not match hidden states "
+                         f"of shape {tuple(hidden_states.shape)}")
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    target = shift_labels.reshape(-1).to(h.device)
+    keep = (target != ignore_index).nonzero()[:, 0]
+    h, target = h.index_select(0, keep), target.index_select(0, keep)
+    if num_items_in_batch is None:
+        scale = 1.0 / keep.numel() if keep.numel() else float("nan")
+    else:
+        scale = 1.0 / float(num_items_in_batch)
+    dtype = _autocast_dtype(h) or torch.promote_types(h.dtype, weight.dtype)
+    chunk = _chunk_rows(h.shape[0], h.shape[1], weight.shape[0], chunk_size)
+    return _ChunkedCrossEntropy.apply(h, weight, bias, target, scale, chunk, dtype)
+
+
+#: Config attributes that, set, make a model change its logits after the output layer.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                         "output_multiplier_scale")
+
+
+def lm_loss_refusal(owner: nn.Module) -> str | None:
+    """Why the chunked loss cannot replace ``owner``'s (a transformers model), or None when it
+    can: a causal LM with transformers' standard loss, a plain ``nn.Linear`` output layer, and no
+    change to its logits after that layer."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for n in ((v,) if isinstance(v, str) else v)}
+    if type(owner).__name__ not in names:
+        return f"{type(owner).__name__} is not a transformers causal LM"
+    # transformers' own rule (PreTrainedModel.loss_function), without its warning.
+    loss = owner.__dict__.get("_loss_function") or LOSS_MAPPING.get(
+        getattr(owner, "loss_type", None), LOSS_MAPPING["ForCausalLM"])
+    if loss is not LOSS_MAPPING["ForCausalLM"]:
+        return f"{type(owner).__name__}'s loss is not transformers' ForCausalLM loss"
+    if "labels" not in inspect.signature(type(owner).forward).parameters:
+        return f"{type(owner).__name__}.forward takes no labels"
+    head = owner.get_output_embeddings() if hasattr(owner, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"its output layer is {type(head).__name__}, not an nn.Linear"
+    config = getattr(owner, "config", None)
+    for name in _LOGIT_POSTPROCESSING:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return f"it changes its logits after the output layer (config.{name})"
+    return None
+
+
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+class LMLossForward:
+    """A causal LM's forward that computes its training loss with :func:`chunked_lm_loss`: the
+    model's own forward runs without labels while its output layer hands over its input (and
+    returns an empty tensor), and the loss comes from that input. Without labels, without
+    gradients, in eval mode, with ``return_dict=False`` or once the output layer is no longer an
+    ``nn.Linear``, it is the model's own forward. Its signature is the model's (HF's Trainer reads
+    it); a ``copy.deepcopy`` of the model calls its own copy."""
+
+    def __init__(self, owner: nn.Module):
+        self.owner = owner
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.owner).forward.__get__(self.owner))
+
+    def __call__(self, *args, labels=None, **kwargs):
+        owner = self.owner
+        original = type(owner).forward.__get__(owner)
+        head = owner.get_output_embeddings()
+        if labels is None or not (owner.training and torch.is_grad_enabled()) \
+                or kwargs.get("return_dict") is False or type(head) is not nn.Linear:
+            return original(*args, labels=labels, **kwargs)
+        seen = {}
+
+        def capture(x):
+            seen["hidden"] = x
+            return x.new_empty(*x.shape[:-1], 0)
+
+        head.forward = capture
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            del head.forward
+        loss = chunked_lm_loss(seen["hidden"], head.weight, labels, head.bias,
+                               **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        return type(out)(loss=loss, logits=None, **fields)
