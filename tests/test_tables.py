@@ -555,12 +555,14 @@ def test_blocks_are_embedded_wherever_their_markers_are(tmp_path):
     """A block's markers may sit in README.md or a page under docs/: the table goes there, the
     rest of each file stays; markers in no file, or in two, stop the build naming the files."""
     from sketchprop.report.embed import BlockError
+    from sketchprop.report.summary import frontier_summary
 
     results = tmp_path / "results"
     write_runs(results)
     write_bench(results)
     readme = tmp_path / "README.md"
-    readme.write_text("# front door\n\n<!-- BEGIN table4 -->\nold\n<!-- END table4 -->\ntail\n")
+    readme.write_text("# front door\n\n<!-- BEGIN table4 -->\nold\n<!-- END table4 -->\ntail\n"
+                      "<!-- BEGIN frontier_summary -->\n<!-- END frontier_summary -->\n")
     page = tmp_path / "docs" / "results.md"
     page.parent.mkdir()
     page.write_text("# results\n<!-- BEGIN comparisons -->\n<!-- END comparisons -->\nend\n")
@@ -568,12 +570,14 @@ def test_blocks_are_embedded_wherever_their_markers_are(tmp_path):
     for path, name in ((readme, "table4"), (page, "comparisons")):
         body = (results / "tables" / f"{name}.md").read_text().split("\n", 2)[2].strip()
         assert f"<!-- BEGIN {name} -->\n{body}\n<!-- END {name} -->" in path.read_text()
-    assert readme.read_text().startswith("# front door\n\n") and readme.read_text().endswith("tail\n")
+    summary = frontier_summary(results / "tables" / "frontier.csv")
+    assert readme.read_text().startswith("# front door\n\n") and readme.read_text().endswith(
+        f"tail\n<!-- BEGIN frontier_summary -->\n{summary}\n<!-- END frontier_summary -->\n")
     assert page.read_text().endswith("<!-- END comparisons -->\nend\n")
     (tmp_path / "docs" / "other.md").write_text("<!-- BEGIN table4 -->\n<!-- END table4 -->\n")
     with pytest.raises(BlockError, match=r"'table4'.*several files: README\.md, docs/other\.md"):
         build(results)
     (tmp_path / "docs" / "other.md").unlink()
-    readme.write_text("# front door\n")
+    readme.write_text("# front door\n<!-- BEGIN frontier_summary -->\n<!-- END frontier_summary -->\n")
     with pytest.raises(BlockError, match=r"'table4': no file holds .*searched README\.md, docs/"):
         build(results)

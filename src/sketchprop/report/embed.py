@@ -1,15 +1,18 @@
 """Generated tables embedded in the docs: the block ``name`` is the text between
 ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in whichever of ``README.md`` and ``docs/*.md``
-holds those markers (exactly one file, each marker once), replaced by the table
-``results/tables/<name>.md`` less its title.
+holds those markers (exactly one file, each marker once). ``table4`` and ``comparisons`` get the
+table ``results/tables/<name>.md`` less its title, ``frontier_summary`` the rows of
+``results/tables/frontier.csv`` on a front (:func:`sketchprop.report.summary.frontier_summary`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-# The tables embedded, in the order they are written.
-BLOCKS = ("table4", "comparisons")
+from .summary import frontier_summary
+
+# The tables embedded whole (less their title), in the order they are written.
+TABLES = ("table4", "comparisons")
 
 
 class BlockError(SystemExit):
@@ -37,20 +40,22 @@ def block_file(root: Path, name: str) -> Path:
     return holder
 
 
-def embed(root: Path, table: Path, name: str) -> None:
-    """Copy ``table`` (without its title) into block ``name`` of the file that holds it."""
+def embed(root: Path, name: str, body: str) -> None:
+    """Put ``body`` into block ``name`` of the file that holds it."""
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     path = block_file(root, name)
     head, rest = path.read_text().split(begin, 1)
-    body = table.read_text().split("\n", 2)[2]  # without the table's own title
     path.write_text(f"{head}{begin}\n{body.strip()}\n{end}{rest.split(end, 1)[1]}")
 
 
 def embed_all(root: Path, tables: Path) -> None:
-    """Every table of :data:`BLOCKS` that ``tables`` holds, into the docs of the checkout at
-    ``root``; nothing when ``root`` has no README.md (a results folder outside a checkout)."""
+    """Every block whose source ``tables`` holds, into the docs of the checkout at ``root``;
+    nothing when ``root`` has no README.md (a results folder outside a checkout)."""
     if not (root / "README.md").is_file():
         return
-    for name in BLOCKS:
+    for name in TABLES:
         if (tables / f"{name}.md").exists():
-            embed(root, tables / f"{name}.md", name)
+            body = (tables / f"{name}.md").read_text().split("\n", 2)[2]  # without its own title
+            embed(root, name, body)
+    if (tables / "frontier.csv").exists():
+        embed(root, "frontier_summary", frontier_summary(tables / "frontier.csv"))
