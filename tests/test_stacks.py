@@ -1,7 +1,8 @@
-"""The training stacks users put a patched model into, in more than one process: every rank draws
+"""The training stacks users put a patched model into: in more than one process every rank draws
 its own random bits (sketches, the GELU code's rounding), whatever ran before the process group
-existed."""
+existed; a patched model survives ``torch.save`` and ``save_pretrained``."""
 
+import io
 import json
 import socket
 import subprocess
@@ -9,6 +10,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
 
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys
@@ -58,3 +62,97 @@ def test_each_rank_draws_its_own_bits_after_a_step_before_the_group(tmp_path, pa
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
     assert json.loads(out.read_text())["equal"] is equal
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _tiny(arch: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "roberta":
+        return tf.RobertaForSequenceClassification(tf.RobertaConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=40, num_labels=2, pad_token_id=1))
+    if arch == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    return tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=1,
+        eos_token_id=2))
+
+
+def _batch(arch: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    mask[2, 6:] = 0
+    if arch == "roberta":
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 0])}
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+PATCHES = {
+    "sketch": lambda m: patch_linear(m, sketch="gaussian", rho=0.5, min_rows=1),
+    "bits": lambda m: patch_linear(m, sketch="exact", bits=4),
+    "sketch, no skip_padding": lambda m: patch_linear(m, sketch="blocksrht", rho=0.5,
+                                                      skip_padding=False, min_rows=1),
+    "compact": lambda m: patch_activations(m),
+    "sketch + compact": lambda m: (patch_linear(m, sketch="gaussian", rho=0.5, bits=4, min_rows=1),
+                                   patch_activations(m)),
+}
+
+
+def _grads(model, batch) -> list:
+    torch.manual_seed(7)  # the dropout seeds the compact parts draw from the global generator
+    model.zero_grad()
+    model(**batch).loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("arch", ["roberta", "llama", "gpt2"])
+@pytest.mark.parametrize("patch", sorted(PATCHES))
+def test_torch_save_and_load_round_trip(arch, patch):
+    """``torch.save(model)`` of a patched model loads back into one that computes the same
+    gradients as the original from there on (its random streams are saved with it), and that
+    unpatches back to the plain model."""
+    model = _tiny(arch).train()
+    PATCHES[patch](model)
+    batch = _batch(arch)
+    _grads(model, batch)  # a step before saving: the streams have moved
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for a, b in zip(_grads(model, batch), _grads(loaded, batch), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    unpatch_activations(loaded)
+    unpatch_linear(loaded)
+    plain = _tiny(arch).train()
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in plain.modules()]
+    assert loaded.state_dict().keys() == plain.state_dict().keys()
+
+
+@pytest.mark.parametrize("arch", ["roberta", "llama", "gpt2"])
+def test_save_pretrained_keeps_keys_and_patching_again_restores(tmp_path, arch):
+    """``save_pretrained`` of a patched model writes the plain model's keys; ``from_pretrained``
+    gives the plain model, and calling ``patch_linear`` / ``patch_activations`` again with the same
+    arguments restores the patch (same forward, same patched modules)."""
+    model = _tiny(arch).eval()
+    patch_linear(model, sketch="gaussian", rho=0.5)
+    patch_activations(model)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    plain = _tiny(arch)
+    assert loaded.state_dict().keys() == plain.state_dict().keys()
+    patch_linear(loaded, sketch="gaussian", rho=0.5)
+    patch_activations(loaded)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    batch = _batch(arch)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)

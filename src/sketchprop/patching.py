@@ -13,10 +13,10 @@ pretrained loading are unchanged.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
-import types
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -118,40 +118,50 @@ def find_linear(model: nn.Module, targets: str | None = None,
 _DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
 
 
-def _mask_hook(model: nn.Module):
+class _MaskHook:
     """A forward pre-hook that hands the call's ``attention_mask`` to the model's
     :class:`SketchContext` (the one its layers share). The context is looked up on the model
-    called, not captured: a ``copy.deepcopy`` of the model (hooks included) feeds its own copy.
+    called, not captured: a ``copy.deepcopy`` of the model (hooks included) feeds its own copy. A
+    class, not a closure, so that ``torch.save(model)`` can pickle it.
 
     Rows are matched to the mask by shape. In an encoder-decoder (T5) the mask is the encoder's,
     and a decoder sequence of the same length would be masked by it although its rows carry
     gradient: such a call skips no rows (the weight gradient stays unbiased, it saves less).
     """
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        signature = None
-    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
-    def hook(module, args, kwargs):
+    def __init__(self, model: nn.Module):
+        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder",
+                                            False))
+        self._signature: inspect.Signature | None = None  # of the forward, read at the first call
+
+    def __getstate__(self) -> dict:
+        return {"encoder_decoder": self.encoder_decoder, "_signature": None}
+
+    def _bind(self, module: nn.Module, args, kwargs) -> dict:
+        if not args:
+            return kwargs
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(module.forward)
+            except (TypeError, ValueError):
+                return kwargs
+        try:
+            return self._signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return kwargs
+
+    def __call__(self, module, args, kwargs):
         context = getattr(module, _CONTEXT, None)
         if context is None:
             return
-        arguments = kwargs
-        if signature is not None and args:
-            try:
-                arguments = signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                pass
+        arguments = self._bind(module, args, kwargs)
         mask = arguments.get("attention_mask")
-        if encoder_decoder and isinstance(mask, Tensor) and mask.dim() == 2:
+        if self.encoder_decoder and isinstance(mask, Tensor) and mask.dim() == 2:
             decoder = (arguments.get(key) for key in _DECODER_INPUTS)
             if any(isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == mask.shape[1]
                    for t in decoder):
                 mask = None
         context.set_mask(mask)
-
-    return hook
 
 
 def patch_linear(
@@ -254,7 +264,7 @@ def patch_linear(
 
     hooks = []
     if skip_padding:
-        hooks.append(model.register_forward_pre_hook(_mask_hook(model), with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(_MaskHook(model), with_kwargs=True))
         setattr(model, _CONTEXT, context)
     setattr(model, _HOOKS, hooks)
     return _swap(model, new)
@@ -322,7 +332,9 @@ def override_forward(module: nn.Module, forward: Callable) -> None:
 
 
 def bound(fn: Callable, module: nn.Module) -> Callable:
-    return types.MethodType(fn, module)
+    """``fn`` bound to ``module``: a partial, which pickles (``torch.save(model)``) where a bound
+    method of a function that is not the module's own attribute does not."""
+    return functools.partial(fn, module)
 
 
 def restore_forward(module: nn.Module, forward: Callable) -> None:
