@@ -3,7 +3,6 @@ JSON and markdown table; plus checks of the fast sketch implementations the benc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
