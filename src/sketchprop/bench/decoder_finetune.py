@@ -86,7 +86,8 @@ def gguf_path(given: str | None) -> Path:
 def load_smollm2(path: Path):
     """The model (float32) and its tokenizer, both read from the GGUF file."""
     if importlib.util.find_spec("gguf") is None:
-        raise WeightsError("reading a GGUF file needs the gguf package: pip install -e '.[lm]'")
+        raise WeightsError("reading a GGUF file needs the gguf package: "
+                           "pip install -c constraints.txt -e '.[lm]'")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -47,7 +47,7 @@ class Mutant:
 
 SK, FN, LY, PA, GL, VA, AL = ("src/sketchprop/sketches.py", "src/sketchprop/functional.py",
                               "src/sketchprop/layers.py", "src/sketchprop/patching.py",
-                              "src/sketchprop/glue/data.py", "src/sketchprop/variance.py",
+                              "src/sketchprop/glue/metric.py", "src/sketchprop/variance.py",
                               "src/sketchprop/allocation.py")
 UNBIASED = "tests/test_layers.py::test_weight_gradient_unbiased"
 FAST_UNBIASED = "tests/test_bench_scripts.py::test_fast_path_unbiased"

