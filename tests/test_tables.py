@@ -535,22 +535,6 @@ def test_frontier_points_pairs_and_fronts(tmp_path):
     assert (tmp_path / "figures" / "frontier.png").stat().st_size > 0
 
 
-def test_table3_made_by_is_pasteable_in_a_fresh_clone():
-    """The made-by line names the folder the point files lie in now (relative to the repository),
-    not the absolute folder the recorded command wrote to, and ``python`` for the interpreter."""
-    from sketchprop.glue.config import REPO_ROOT
-    from sketchprop.report.table3 import made_by
-
-    here = REPO_ROOT / "results" / "memory"
-    assert made_by("python scripts/memory_table.py --points table3 --out-dir /other/clone/results/"
-                   "memory --threads 1", here) == \
-        "python scripts/memory_table.py --points table3 --out-dir results/memory --threads 1"
-    assert made_by("/usr/bin/python3 scripts/memory_table.py --out-dir=/x/results/memory", here) == \
-        "python scripts/memory_table.py --out-dir=results/memory"
-    assert made_by("python scripts/memory_table.py --methods ckpt,ckpt+ours", here) == \
-        "python scripts/memory_table.py --methods ckpt,ckpt+ours"
-
-
 def test_blocks_are_embedded_wherever_their_markers_are(tmp_path):
     """A block's markers may sit in README.md or a page under docs/: the table goes there, the
     rest of each file stays; markers in no file, or in two, stop the build naming the files."""

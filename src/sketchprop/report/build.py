@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..glue.config import REPO_ROOT
-from .common import check_one_recipe_per_cell, load_runs
+from .common import ROOT, check_one_recipe_per_cell, load_runs
 from .comparisons import comparisons
 from .embed import embed_all
 from .figure3 import figure3
@@ -23,7 +22,7 @@ from .table3 import table3, table3_runs
 from .table4 import table4
 from .tuning import tuning
 
-RESULTS = REPO_ROOT / "results"
+RESULTS = ROOT / "results"
 
 
 def build(results: Path = RESULTS, cpu_experiment: str = "minilm_cpu") -> list[Path]:

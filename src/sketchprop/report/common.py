@@ -27,9 +27,9 @@ from typing import NamedTuple
 from omegaconf import OmegaConf
 from scipy import stats
 
-from ..glue.config import CONFIG_DIR
-from ..glue.runs import portable
-
+# The checkout (src/sketchprop/report/ is three levels down), as sketchprop.glue.config.REPO_ROOT:
+# read here so that the reports need no pipeline (hydra) to run.
+ROOT = Path(__file__).resolve().parents[3]
 # The paper's metric per task (results carry all of a task's metrics; this one is reported).
 METRIC = {"cola": "matthews", "stsb": "pearson", "mrpc": "accuracy", "qqp": "accuracy",
           "sst2": "accuracy", "mnli": "accuracy", "qnli": "accuracy", "rte": "accuracy",
@@ -56,7 +56,7 @@ def _compact_set() -> dict:
     """The settings ``activations=compact`` gives (configs/activations/compact.yaml, read as the
     pipeline composes it); a run with other compact settings is labelled with the ones that
     differ."""
-    conf = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "activations" / "compact.yaml"))
+    conf = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "activations" / "compact.yaml"))
     conf.pop("defaults", None)
     return conf
 
@@ -81,7 +81,7 @@ def load_runs(runs_dir: Path) -> list[dict]:
         parts = path.relative_to(runs_dir).parts
         data["_experiment"] = parts[0]
         data["_folder"] = "/".join(parts[:-2])
-        data["_path"] = portable(path)
+        data["_path"] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
         runs.append(data)
     return runs
 

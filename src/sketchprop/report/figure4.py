@@ -26,14 +26,13 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..glue.config import REPO_ROOT
-from .common import MODEL_NAMES, TASK_NAMES
+from .common import MODEL_NAMES, ROOT, TASK_NAMES
 
 LABELS = {"d2_sgd": "$D^2_{SGD}$", "d2_rmm": "$D^2_{RMM}$", "d2_sketch": "sketch's own variance"}
 # Line style and marker of each field (the sketch's own variance lies on D2_RMM: markers keep it
 # visible).
 STYLES = {"d2_sgd": ("-", None), "d2_rmm": ("--", None), "d2_sketch": (":", "o")}
-DEFAULT_OUT = REPO_ROOT / "results" / "figures" / "figure4_variance.png"
+DEFAULT_OUT = ROOT / "results" / "figures" / "figure4_variance.png"
 
 
 def load_run(path: str | Path) -> tuple[list[dict], str, dict]:

@@ -10,11 +10,9 @@ Writes ``results/tables/table3.md|csv``, and ``table3_roberta.md|csv`` from trai
 
 from __future__ import annotations
 
-import shlex
 from collections import defaultdict
 from pathlib import Path
 
-from ..glue.runs import portable_command
 from .common import (
     RATES,
     bench_step_ratios,
@@ -74,20 +72,6 @@ def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None
     return fams
 
 
-def made_by(command: str, memory_dir: Path) -> str:
-    """A recorded ``scripts/memory_table.py`` command as one can paste it in a fresh clone: its
-    output folder is where its point files lie now (``memory_dir``), and every path inside the
-    repository is relative to its root (the command recorded the absolute folder it wrote to)."""
-    argv = shlex.split(command)
-    folder = str(memory_dir.resolve())
-    for i, arg in enumerate(argv):
-        if arg == "--out-dir" and i + 1 < len(argv):
-            argv[i + 1] = folder
-        elif arg.startswith("--out-dir="):
-            argv[i] = f"--out-dir={folder}"
-    return portable_command(argv)
-
-
 def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
     """Table 3 from the ``table3`` points in ``memory_dir``: ``out``/table3.md|csv."""
     points = load_memory(memory_dir)
@@ -135,8 +119,7 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
                         if peak(p["exact"])) or "no point"
     commands = []
     for p in points:
-        for c in p["command"].split(" ; ") if "command" in p else ["?"]:
-            c = made_by(c, memory_dir) if c != "?" else c
+        for c in p.get("command", "?").split(" ; "):
             if c not in commands:
                 commands.append(c)
     info = step.get("_info")
