@@ -3,7 +3,6 @@ JSON and markdown table; plus checks of the fast sketch implementations the benc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -327,11 +326,11 @@ def test_memory_table_quick(tmp_path):
     assert {n: (out / n).read_bytes() for n in names if n != "table3-mrpc-b4.json"} == \
         {n: b for n, b in before.items() if n != "table3-mrpc-b4.json"}
     # The tables read the files: Table 3 and the Figure 3 curve (which borrows Table 3's CoLA point).
-    spec = importlib.util.spec_from_file_location("make_tables", ROOT / "scripts" / "make_tables.py")
-    make_tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_tables)
-    make_tables.table3(out, tmp_path / "tables")
-    make_tables.figure3(out, tmp_path / "figures")
+    from sketchprop.report.figure3 import figure3
+    from sketchprop.report.table3 import table3
+
+    table3(out, tmp_path / "tables")
+    figure3(out, tmp_path / "figures")
     table = (tmp_path / "tables" / "table3.md").read_text()
     assert "| mrpc (4) |" in table and "| cola (8) |" in table and "memory_table.py" in table
     for family in ("ours (blocksrht) + compact activations", "LoRA + ours (blocksrht) |",

@@ -83,8 +83,8 @@ def test_estimators_do_not_need_the_layers():
     assert graph["sketches"] == set() and graph["quantize"] == set()
 
 
-# Blocks the optional dependencies, imports every library module (the pipeline in glue/ excepted),
-# patches a small MLP with the defaults and takes a step.
+# Blocks the optional dependencies, imports every library module (the pipeline in glue/ and the
+# reports in report/, both extras, excepted), patches a small MLP with the defaults and takes a step.
 TORCH_ONLY = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -98,7 +98,7 @@ import torch
 import sketchprop
 from sketchprop import patch_activations, patch_linear
 for m in pkgutil.walk_packages(sketchprop.__path__, "sketchprop."):
-    if not m.name.startswith(("sketchprop.glue", "sketchprop.train")):
+    if not m.name.startswith(("sketchprop.glue", "sketchprop.train", "sketchprop.report")):
         importlib.import_module(m.name)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.1),
                             torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
