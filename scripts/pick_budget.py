@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from sketchprop.bench.common import ROOT, BadArgs, add_threads_arg, default_glue_dir
-from sketchprop.glue.runs import portable_command
+from sketchprop.glue.paths import portable_command
 from sketchprop.report import budget
 
 

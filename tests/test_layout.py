@@ -15,10 +15,6 @@ SCRIPTS = ROOT / "scripts"
 MAX_MODULE_LINES = 600
 MAX_SCRIPT_LINES = 200
 
-# Files still being moved by another step of the new layout (issue 37), exempt until it lands;
-# emptied when the steps are merged.
-PENDING: set[str] = set()
-
 
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
@@ -57,13 +53,13 @@ def imported(path: Path, name: str, known: set[str]) -> set[str]:
 
 def test_no_module_under_src_over_600_lines():
     long = {rel(p): lines(p) for p in SRC.rglob("*.py") if lines(p) > MAX_MODULE_LINES}
-    assert set(long) <= PENDING, {k: v for k, v in long.items() if k not in PENDING}
+    assert not long, long
 
 
 def test_every_script_at_most_200_lines():
     long = {rel(p): lines(p) for p in SCRIPTS.iterdir() if p.is_file()
             and lines(p) > MAX_SCRIPT_LINES}
-    assert set(long) <= PENDING, {k: v for k, v in long.items() if k not in PENDING}
+    assert not long, long
 
 
 def test_every_module_and_script_opens_with_a_docstring():
@@ -74,8 +70,6 @@ def test_every_module_and_script_opens_with_a_docstring():
 
 @pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
 def test_no_script_imports_another_or_touches_sys_path(script):
-    if f"scripts/{script}" in PENDING:
-        pytest.skip("still being moved")
     others = {p.stem for p in SCRIPTS.glob("*.py")}
     tree = ast.parse((SCRIPTS / script).read_text())
     for node in ast.walk(tree):
