@@ -99,6 +99,8 @@ def padded(b=4, length=16, seed=0, shift=0):
     return out
 
 
+@pytest.mark.stack("ckpt-reentrant", "sketch")
+@pytest.mark.stack("ckpt-nonreentrant", "sketch")
 @pytest.mark.parametrize("reentrant", [None, False, True])
 def test_two_forwards_then_one_backward_with_skip_padding(reentrant):
     """A paired loss over two batches of one shape and different padding: at rho 1 the sketch is

@@ -98,6 +98,8 @@ def test_dropout_forward_and_backward_use_one_mask(kind):
     assert drop(x) is x
 
 
+@pytest.mark.stack("ckpt-reentrant", "compact")
+@pytest.mark.stack("ckpt-nonreentrant", "compact")
 @pytest.mark.parametrize("kind", [act.SeededDropout, act.PackedDropout])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_dropout_under_checkpointing_makes_the_same_mask(kind, reentrant):
@@ -365,6 +367,8 @@ def test_attention_keeps_qkv_when_they_are_not_the_inputs_projections():
     assert checked == [False, True]
 
 
+@pytest.mark.stack("ckpt-reentrant", "compact")
+@pytest.mark.stack("ckpt-nonreentrant", "compact")
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointing_recomputes_the_same_masks(reentrant):
     """With every dropout on (hidden and attention), a checkpointed model's gradients equal the
@@ -449,6 +453,7 @@ def test_composes_with_patch_linear(first, sketch):
     assert module_types(model) == types
 
 
+@pytest.mark.stack("autocast-bf16", "sketch", "compact")
 def test_autocast_bf16():
     model = tiny_roberta()
     ref = copy.deepcopy(model)

@@ -49,6 +49,7 @@ def exact_block_grad(block, x, g):
     return w.grad.detach().clone().double().reshape(-1)
 
 
+@pytest.mark.stack("ckpt-nonreentrant", "sketch")
 @pytest.mark.parametrize("sketch", ["gaussian", "blocksrht", "rowsample", "importance"])
 def test_weight_gradient_unbiased_under_checkpointing(sketch):
     """The layer-level statistic (Hotelling's T^2 against the exact gradient, the bound of
@@ -106,6 +107,7 @@ def test_exact_model_with_checkpointing_gives_the_exact_gradients(dropout):
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.stack("ckpt-nonreentrant", "sketch")
 def test_patched_model_with_checkpointing_is_unbiased_in_a_shared_layer():
     """Our layout (Q, K, V share one sketch; padding rows skipped) under HF checkpointing: the
     mean of the query weight's gradient over many steps, projected on the exact gradient, is the

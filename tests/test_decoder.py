@@ -208,6 +208,8 @@ def test_grouped_heads_patch_and_train():
 # Exact parts give the unpatched model's gradients.
 
 
+@pytest.mark.stack("ckpt-reentrant", "decoders")
+@pytest.mark.stack("ckpt-nonreentrant", "decoders")
 @pytest.mark.parametrize("family, mlp", [("llama", "recompute"), ("llama", "input"),
                                          ("gpt2", "recompute")])
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
@@ -220,6 +222,7 @@ def test_exact_parts_give_the_unpatched_gradients(family, mlp, checkpointing):
                 loss_and_grads(ref, batch(), checkpointing))
 
 
+@pytest.mark.stack("autocast-bf16", "decoders")
 @pytest.mark.parametrize("family, mlp", [("llama", "recompute"), ("llama", "input"),
                                          ("gpt2", "recompute")])
 def test_autocast_bf16(family, mlp):

@@ -276,6 +276,7 @@ def test_fewer_rows_than_min_rows_is_exact():
     assert num_proj_rows(100, 0.01, 3) == 3
 
 
+@pytest.mark.stack("autocast-bf16", "sketch")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sketch", ["exact", "gaussian", "dct", "blocksrht", "importance"])

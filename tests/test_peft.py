@@ -37,6 +37,7 @@ def logits_and_grads(model, data):
                                  if p.requires_grad}
 
 
+@pytest.mark.stack("peft-lora", "sketch")
 def test_adapters_store_one_shared_sketch_base_layers_nothing():
     model = lora_roberta()
     assert patch_linear(model, "blocksrht", 0.5, targets=r"lora_A") == LORA_A
@@ -107,6 +108,7 @@ def adapter_draws(sketch, data, exact, n):
     return out
 
 
+@pytest.mark.stack("peft-lora", "sketch")
 def test_adapter_gradients_unbiased():
     data = batch()
     ref = lora_roberta()
@@ -151,6 +153,7 @@ def test_unpatch_round_trip():
     assert not any("lora" in name for name, _ in merged.named_modules())
 
 
+@pytest.mark.stack("peft-lora", "compact")
 def test_compact_activations_on_a_lora_model_are_exact_and_reversible():
     """patch_activations on a peft model switches the attention function of the model it wraps;
     with gelu_bits=None (and dropout 0, so both models use the same masks) the adapters' and the

@@ -226,6 +226,7 @@ def test_metrics_match_hand_computed_values():
 # Runs
 
 
+@pytest.mark.stack("hf-trainer", "sketch")
 def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     base = overrides(tmp_path, glue_dir, "method.rho=0.5")
     first = cli([*base, "logger=wandb", f"hydra.run.dir={tmp_path}/run"], tmp_path)
@@ -336,6 +337,7 @@ def test_exact_method_is_unpatched_and_named_rho_1(tmp_path, glue_dir):
     filed(tmp_path, "results/runs/default/cola/exact-rho1.0-seed1-*.json")
 
 
+@pytest.mark.stack("hf-trainer", "bits")
 def test_exact_method_with_bits_patches_and_codes_its_rows(tmp_path, glue_dir):
     """method=exact method.bits=4 patches every linear layer but the head with the exact sketch
     and 4-bit rows: a run of its own (bits and group in its identity, the rate not), fewer saved
@@ -355,6 +357,7 @@ def test_exact_method_with_bits_patches_and_codes_its_rows(tmp_path, glue_dir):
     assert files[0] != files[1] and files[0] != files[2] and files[0] == files[3]
 
 
+@pytest.mark.stack("hf-trainer", "compact")
 def test_compact_activations_run_and_count_what_they_keep(tmp_path, glue_dir):
     """activations=compact patches the tiny model's 8 dropout and 2 GELU modules and switches its
     attention; the saved bytes in the result count the codes and seeds, not what they replace."""
@@ -722,6 +725,7 @@ def test_bad_input_fails_fast_with_the_fix(bad_runs, name):
 # Two processes
 
 
+@pytest.mark.stack("ddp", "sketch", "compact")
 @pytest.mark.parametrize("method", [[], ["method=importance", "method.allocate=variance"],
                                     ["activations=compact"]])
 def test_ddp_two_cpu_processes(tmp_path, glue_dir, method):

@@ -180,6 +180,8 @@ def test_patch_linear_checks_bits_before_changing_anything():
     assert type(model[0]) is nn.Linear
 
 
+@pytest.mark.stack("ckpt-reentrant", "bits")
+@pytest.mark.stack("ckpt-nonreentrant", "bits")
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_unbiased_under_checkpointing(reentrant):
     """The recomputed forward codes its own rows (a new seed), and backward decodes those."""
@@ -204,6 +206,7 @@ def test_unbiased_under_checkpointing(reentrant):
     assert t2 < t2_bound(exact.numel()), t2
 
 
+@pytest.mark.stack("autocast-bf16", "bits")
 def test_bf16_autocast_decodes_to_the_compute_dtype():
     layer = make_layer("exact", n_in=64, n_out=16, bits=4)
     x = torch.randn(32, 64, requires_grad=True)

@@ -106,6 +106,7 @@ def test_the_library_block(run_block):
     assert RandomizedLinear not in kinds(ns["model"])  # unpatched at the end
 
 
+@pytest.mark.stack("plain-loop", "sketch")
 def test_the_plain_pytorch_loop(run_block):
     ns, spy = run_block(block("for x, y in loader"))
     model = ns["model"]
@@ -114,6 +115,7 @@ def test_the_plain_pytorch_loop(run_block):
     assert not torch.equal(model[0].weight.detach(), spy.before["0"])  # it trained
 
 
+@pytest.mark.stack("hf-trainer", "sketch")
 def test_the_hugging_face_trainer(run_block):
     ns, spy = run_block(block("Trainer("))
     model, trainer = ns["model"], ns["trainer"]
@@ -186,14 +188,15 @@ def test_no_absolute_machine_paths(page):
 
 def test_generated_blocks_are_the_tables_they_copy():
     """make tables copies results/tables/<name>.md, less its title, between the markers; the
-    frontier summary is checked against its own function in test_summary.py."""
+    frontier summary and the stacks table are checked against their own functions in
+    test_summary.py."""
     seen = []
     for page in PAGES:
         for name, body in re.findall(r"<!-- BEGIN (\S+) -->\n(.*?)\n<!-- END \1 -->", page.read_text(),
                                      flags=re.S):
             seen.append(name)
-            if name == "frontier_summary":
+            if name in ("frontier_summary", "stacks"):
                 continue
             table = (REPO_ROOT / "results" / "tables" / f"{name}.md").read_text()
             assert body == table.split("\n", 2)[2].strip(), f"{page.name}: {name} is stale"
-    assert sorted(seen) == ["comparisons", "frontier_summary", "table4"]
+    assert sorted(seen) == ["comparisons", "frontier_summary", "stacks", "table4"]

@@ -4,6 +4,7 @@ existed; a patched model survives ``torch.save`` and ``save_pretrained``."""
 
 import io
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -26,6 +27,8 @@ RANK_SCRIPT = textwrap.dedent("""
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
     if part == "sketch":
         patch_linear(model, sketch="gaussian", rho=0.25, min_rows=1)
+    elif part == "bits":
+        patch_linear(model, sketch="exact", bits=4)
     elif part == "exact":
         patch_linear(model, sketch="exact")
     else:
@@ -50,11 +53,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("part, equal", [("sketch", False), ("gelu", False), ("exact", True)])
+@pytest.mark.stack("ddp", "sketch", "bits", "compact")
+@pytest.mark.parametrize("part, equal", [("sketch", False), ("bits", False), ("gelu", False),
+                                         ("exact", True)])
 def test_each_rank_draws_its_own_bits_after_a_step_before_the_group(tmp_path, part, equal):
     """Two gloo processes, same weights and input, one step before ``init_process_group``: the
     gradients after it differ between the ranks where bits are drawn (a sketch, the stochastic
-    GELU code) and are equal where none are (the exact sketch), so the difference is the bits."""
+    GELU code, the stochastic rounding of b-bit rows) and are equal where none are (the exact
+    sketch), so the difference is the bits."""
     port, out = str(_free_port()), tmp_path / "out.json"
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), port, part, str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -68,14 +74,15 @@ def test_each_rank_draws_its_own_bits_after_a_step_before_the_group(tmp_path, pa
 # Saving
 
 
-def _tiny(arch: str):
+def _tiny(arch: str, dropout: float = 0.1):
     import transformers as tf
 
     torch.manual_seed(0)
     if arch == "roberta":
         return tf.RobertaForSequenceClassification(tf.RobertaConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=40, num_labels=2, pad_token_id=1))
+            intermediate_size=64, max_position_embeddings=40, num_labels=2, pad_token_id=1,
+            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
     if arch == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -115,6 +122,7 @@ def _grads(model, batch) -> list:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.stack("save-load", "sketch", "bits", "compact", "decoders")
 @pytest.mark.parametrize("arch", ["roberta", "llama", "gpt2"])
 @pytest.mark.parametrize("patch", sorted(PATCHES))
 def test_torch_save_and_load_round_trip(arch, patch):
@@ -138,6 +146,7 @@ def test_torch_save_and_load_round_trip(arch, patch):
     assert loaded.state_dict().keys() == plain.state_dict().keys()
 
 
+@pytest.mark.stack("save-load", "sketch", "compact", "decoders")
 @pytest.mark.parametrize("arch", ["roberta", "llama", "gpt2"])
 def test_save_pretrained_keeps_keys_and_patching_again_restores(tmp_path, arch):
     """``save_pretrained`` of a patched model writes the plain model's keys; ``from_pretrained``
@@ -156,3 +165,95 @@ def test_save_pretrained_keeps_keys_and_patching_again_restores(tmp_path, arch):
     batch = _batch(arch)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loops: plain, accelerate, gradient accumulation
+
+#: (architecture, patch) per patch kind: the encoder for the linear patches and compact
+#: activations, Llama for the decoder parts (gated MLP, RMSNorm, chunked loss).
+LOOPS = {
+    "sketch": ("roberta", lambda m: patch_linear(m, sketch="blocksrht", rho=0.5, min_rows=1)),
+    "bits": ("roberta", lambda m: patch_linear(m, sketch="exact", bits=4)),
+    "compact": ("roberta", lambda m: patch_activations(m)),
+    "decoders": ("llama", lambda m: patch_activations(m)),
+}
+
+
+def _losses(model, batch, steps=8, accelerator=None, micro=1) -> list[float]:
+    """Train on one batch (``micro`` micro-batches per step, gradients accumulated); the loss of
+    every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if accelerator is not None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    parts = [{k: v[i::micro] for k, v in batch.items()} for i in range(micro)]
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for part in parts:
+            loss = model(**part).loss / micro
+            accelerator.backward(loss) if accelerator is not None else loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.stack("plain-loop", "sketch", "bits", "compact", "decoders")
+@pytest.mark.parametrize("patch", sorted(LOOPS))
+def test_a_plain_loop_trains(patch):
+    arch, apply = LOOPS[patch]
+    model = _tiny(arch).train()
+    apply(model)
+    losses = _losses(model, _batch(arch))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.stack("accelerate", "sketch", "bits", "compact", "decoders")
+@pytest.mark.parametrize("patch", sorted(LOOPS))
+def test_accelerate_prepares_and_trains_a_patched_model(patch):
+    from accelerate import Accelerator
+
+    arch, apply = LOOPS[patch]
+    model = _tiny(arch).train()
+    apply(model)
+    losses = _losses(model, _batch(arch), accelerator=Accelerator(cpu=True))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+
+
+#: The exact configurations of each patch kind (no random bits): their accumulated gradients must
+#: be the plain model's.
+EXACT = {
+    "sketch": ("roberta", lambda m: patch_linear(m, sketch="gaussian", rho=1.0, min_rows=1)),
+    "compact": ("roberta", lambda m: patch_activations(m, gelu_bits=None)),
+    "decoders": ("llama", lambda m: patch_activations(m)),
+}
+
+
+@pytest.mark.stack("grad-accum", "sketch", "compact", "decoders")
+@pytest.mark.parametrize("patch", sorted(EXACT))
+def test_gradient_accumulation_gives_the_plain_models_gradients(patch):
+    """Three micro-batches, each its own forward and backward into the same ``.grad`` (padding
+    differs between them): the exact configurations accumulate the plain model's gradients
+    (without dropout, whose seeded masks are not ``nn.Dropout``'s)."""
+    arch, apply = EXACT[patch]
+    model, plain = _tiny(arch, dropout=0.0).train(), _tiny(arch, dropout=0.0).train()
+    apply(model)
+    batch = _batch(arch)
+    grads = []
+    for m in (model, plain):
+        for i in range(3):
+            torch.manual_seed(i)  # the same dropout draws for both models
+            m(**{k: v[i:i + 1] for k, v in batch.items()}).loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.stack("grad-accum", "bits")
+def test_gradient_accumulation_trains_with_coded_rows():
+    model = _tiny("roberta").train()
+    LOOPS["bits"][1](model)
+    losses = _losses(model, _batch("roberta"), micro=3)
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses

@@ -1,8 +1,13 @@
-"""The README's frontier summary: the configurations on a front of results/tables/frontier.csv."""
+"""The generated blocks that have functions of their own: the README's frontier summary (the
+configurations on a front of results/tables/frontier.csv) and the training-stacks table (read off
+the tests' stack markers)."""
 
 import re
 
+import pytest
+
 from sketchprop.glue.config import REPO_ROOT
+from sketchprop.report.stacks import stacks_table
 from sketchprop.report.summary import frontier_summary
 
 CSV = REPO_ROOT / "results" / "tables" / "frontier.csv"
@@ -28,3 +33,36 @@ def test_keeps_the_rows_on_either_front_in_order(tmp_path):
                         "| step time / exact |")
     assert lines[2:] == ["| a | 0.1 | -1.00 ± 0.50 (n=3) | 0.90x |",
                          "| b | 0.2 | +0.10 ± 0.20 (n=5) | 1.10x |"]
+
+
+def test_the_stacks_block_is_the_table_of_the_tests_markers():
+    (body,) = re.findall(r"<!-- BEGIN stacks -->\n(.*?)\n<!-- END stacks -->",
+                         (REPO_ROOT / "docs" / "training-stacks.md").read_text(), flags=re.S)
+    assert body == stacks_table(REPO_ROOT / "tests"), "stale: make tables rebuilds it"
+
+
+def test_stacks_table_reads_decorators_params_and_module_marks(tmp_path):
+    (tmp_path / "test_a.py").write_text(
+        "import pytest\n"
+        "pytestmark = [pytest.mark.stack('ddp', 'bits')]\n"
+        "@pytest.mark.stack('ddp', 'sketch', 'compact')\n"
+        "def test_one(): pass\n"
+        "@pytest.mark.parametrize('x', [pytest.param(1, marks=pytest.mark.stack(\n"
+        "    'fsdp2', 'sketch', refused='before fully_shard'))])\n"
+        "def test_two(x): pass\n")
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in
+            stacks_table(tmp_path).splitlines()[2:]}
+    ddp = rows["| DDP (`torchrun`, `DistributedDataParallel`)"]
+    assert ddp[0] == "tested: `test_a.py::test_one`"
+    assert ddp[1] == "tested: `test_a.py::test_one`, `test_a.py::test_two`"  # the module's mark
+    assert ddp[2] == "tested: `test_a.py::test_one`" and ddp[3] == "not tested |"
+    assert rows["| FSDP2 (`fully_shard`)"][0] == ('refused: "before fully_shard" '
+                                                 '(`test_a.py::test_two`)')
+
+
+@pytest.mark.parametrize("marker", ["'dpp', 'sketch'", "'ddp', 'sketchy'", "'ddp'"])
+def test_a_misspelt_stack_marker_raises(tmp_path, marker):
+    (tmp_path / "test_a.py").write_text(f"import pytest\n@pytest.mark.stack({marker})\n"
+                                        "def test_one(): pass\n")
+    with pytest.raises(ValueError, match="test_a.py::test_one"):
+        stacks_table(tmp_path)

@@ -2,13 +2,16 @@
 ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in whichever of ``README.md`` and ``docs/*.md``
 holds those markers (exactly one file, each marker once). ``table4`` and ``comparisons`` get the
 table ``results/tables/<name>.md`` less its title, ``frontier_summary`` the rows of
-``results/tables/frontier.csv`` on a front (:func:`sketchprop.report.summary.frontier_summary`).
+``results/tables/frontier.csv`` on a front (:func:`sketchprop.report.summary.frontier_summary`),
+``stacks`` the training-stacks table read off the tests' markers
+(:func:`sketchprop.report.stacks.stacks_table`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .stacks import stacks_table
 from .summary import frontier_summary
 
 # The tables embedded whole (less their title), in the order they are written.
@@ -59,3 +62,5 @@ def embed_all(root: Path, tables: Path) -> None:
             embed(root, name, body)
     if (tables / "frontier.csv").exists():
         embed(root, "frontier_summary", frontier_summary(tables / "frontier.csv"))
+    if (root / "tests").is_dir():
+        embed(root, "stacks", stacks_table(root / "tests"))
