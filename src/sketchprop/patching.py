@@ -1,5 +1,5 @@
 """Module surgery, the one place that does it: :func:`patch_linear` swaps linear layers
-(``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear`,
+(``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear` (``RandomizedConv1D``),
 :func:`patch_activations` swaps dropout, GELU and LayerNorm modules for their compact forms,
 gives gated MLPs, RMSNorms and a causal LM's loss forwards of their own and switches the attention
 function (the parts: :mod:`sketchprop.activations`); each has an inverse.
@@ -141,8 +141,13 @@ def patch_linear(
 
     Linear layers are ``nn.Linear`` modules (exactly that type: a subclass may be used otherwise,
     as ``nn.MultiheadAttention`` reads its output projection's weight without calling it) and
-    transformers' ``Conv1D`` (GPT-2's; its ``(in, out)`` weight is kept as it is, see
-    :class:`RandomizedLinear`).
+    transformers' ``Conv1D`` (GPT-2's; its ``(in, out)`` weight is kept as it is, in a
+    ``RandomizedConv1D``, see :class:`RandomizedLinear`).
+
+    On a transformers model, or a peft model around one, the padding hook and the layers' shared
+    state go on the transformers model (which ``merge_and_unload`` returns), and its
+    ``resize_token_embeddings`` keeps a patched output layer patched (holding the resized
+    Parameters) where transformers would put a plain ``nn.Linear`` in its place.
 
     Args:
         model: any ``nn.Module``; patched in place.
@@ -223,7 +228,7 @@ def patch_linear(
     # The hooks and the context go on the transformers model (a peft model's base model, which
     # peft calls with the mask): merge_and_unload gives it back with its layers' mask hook.
     owner = _transformers_owner(model)
-    holder = owner or model
+    holder = model if owner is None else owner
     hooks = []
     if skip_padding:
         hooks.append(holder.register_forward_pre_hook(MaskHook(holder), with_kwargs=True))
