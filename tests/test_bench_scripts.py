@@ -3,7 +3,6 @@ JSON and markdown table; plus checks of the fast sketch implementations the benc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sketchprop.bench import bits_cost, equal_bytes, memory_table, models
+from sketchprop.bench import sketch_variance as sv
+from sketchprop.bench.common import default_glue_dir
 from sketchprop.sketches import SKETCHES, BlockSRHT
 from sketchprop.variance import expected_variance
 
@@ -127,14 +129,6 @@ def test_backward_overhead_quick(tmp_path):
     assert "exact sketch" in out
 
 
-def import_script(name: str):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-
-
 # The script's aggregate is the mean over its seeds of the per-seed aggregate a = sum over layers of
 # |dW_hat - dW|^2 / sum of the Gaussian closed forms, so it is 1 in expectation for the Gaussian
 # sketch and the ratio of the closed forms for the others. Its Monte-Carlo error is sd(a) / sqrt(4)
@@ -154,10 +148,9 @@ def test_sketch_variance_quick(tmp_path):
     quick_seeds = data["args"]["seeds"]
     assert quick_seeds == 4
 
-    sv, bm = import_script("sketch_variance"), import_script("bench_model")
-    model = bm.build_model("minilm", True).train()
-    args = SimpleNamespace(batch=4, seq=32, task="MRPC", glue_dir=bm.default_glue_dir(), quick=True)
-    batch, _ = bm.make_batch("minilm", model, args)
+    model = models.build_model("minilm", True).train()
+    args = SimpleNamespace(batch=4, seq=32, task="MRPC", glue_dir=default_glue_dir(), quick=True)
+    batch, _ = models.make_batch("minilm", model, args)
     torch.manual_seed(0)
     layers = [(x, y, math.ceil(rho * x.shape[0] - 1e-9)) for _, x, y in sv.capture(model, batch)]
     assert len(layers) == len(data["layers"])
@@ -333,11 +326,11 @@ def test_memory_table_quick(tmp_path):
     assert {n: (out / n).read_bytes() for n in names if n != "table3-mrpc-b4.json"} == \
         {n: b for n, b in before.items() if n != "table3-mrpc-b4.json"}
     # The tables read the files: Table 3 and the Figure 3 curve (which borrows Table 3's CoLA point).
-    spec = importlib.util.spec_from_file_location("make_tables", ROOT / "scripts" / "make_tables.py")
-    make_tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_tables)
-    make_tables.table3(out, tmp_path / "tables")
-    make_tables.figure3(out, tmp_path / "figures")
+    from sketchprop.report.figure3 import figure3
+    from sketchprop.report.table3 import table3
+
+    table3(out, tmp_path / "tables")
+    figure3(out, tmp_path / "figures")
     table = (tmp_path / "tables" / "table3.md").read_text()
     assert "| mrpc (4) |" in table and "| cola (8) |" in table and "memory_table.py" in table
     for family in ("ours (blocksrht) + compact activations", "LoRA + ours (blocksrht) |",
@@ -352,15 +345,12 @@ def test_memory_table_quick(tmp_path):
 
 def test_memory_table_peak_child_and_merge(tmp_path):
     """The fresh-process peak of one training step, and adding that part to a bytes-only file."""
-    line = run_script(py("memory_table.py", "--quick", "--threads", "1", "--child", "null",
-                         "--lengths", "[3, 5]"), tmp_path).splitlines()[-1]
+    request = {"method": None, "lengths": [3, 5], "device": "cpu", "threads": 1, "quick": True}
+    line = run_script([sys.executable, "-m", "sketchprop.bench.memory_table", json.dumps(request)],
+                      tmp_path).splitlines()[-1]
     res = json.loads(line.removeprefix("RESULT "))
     assert res["peak_bytes"] >= res["before_step_bytes"] > 0
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from memory_table import merge
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    merge = memory_table.merge
     old = {"parts": ["bytes"], "command": "a", "wall_seconds": 1.0, "limit": {"0.1": 5},
            "exact": {"saved_activation_bytes": 10}, "paper": {"0.1": {"saved_activation_bytes": 6}},
            "ours": {"0.1": {"saved_activation_bytes": 5}}}
@@ -377,12 +367,8 @@ def test_memory_table_peak_child_and_merge(tmp_path):
 def test_memory_table_replaces_records_of_other_compact_settings():
     """A compact record filed under an older default is measured again and replaced whole: no
     peak of the old settings stays beside bytes of the new."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from memory_table import COMPACT, merge, methods, stale
-    finally:
-        sys.path.pop(0)
-    asked = methods("blocksrht", ("exact", "compact", "ours+compact"))
+    COMPACT, merge, stale = memory_table.COMPACT, memory_table.merge, memory_table.stale
+    asked = memory_table.methods("blocksrht", ("exact", "compact", "ours+compact"))
     older = {k: v for k, v in COMPACT.items() if k != "layernorm"}
     assert stale({"activations": older, "saved_activation_bytes": 1}, asked["compact"])
     assert not stale({"activations": dict(COMPACT), "saved_activation_bytes": 1}, asked["compact"])
@@ -416,17 +402,8 @@ def test_bits_cost_quick(tmp_path):
     data = json.loads((tmp_path / "bits_cost_quick.json").read_text())
     assert set(data["results"]) == {"int8", "int4", "int2"}
     for stats in data["results"].values():
-        assert set(stats) == set(bc_phases()) and stats["quantize"]["ratio"] == 1.0
+        assert set(stats) == set(bits_cost.PHASES) and stats["quantize"]["ratio"] == 1.0
         assert all(s["median_s"] > 0 for s in stats.values())
-
-
-def bc_phases():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bits_cost import PHASES
-    finally:
-        sys.path.pop(0)
-    return PHASES
 
 
 def test_gelu_bits_quick(tmp_path):
@@ -477,7 +454,7 @@ def test_equal_bytes_quick(tmp_path):
 
 def test_equal_bytes_group_rule():
     """The group with the least error at equal stored bits: error x 4^(bits the ends cost)."""
-    eb = import_script("equal_bytes")
+    eb = equal_bytes
     # Two layers of 64 columns; group 32 has 1 bit of ends, 64 half a bit, 128 (one padded
     # group of 64 columns) half a bit too.
     cols = [64, 64]

@@ -1,56 +1,48 @@
-"""scripts/pick_budget.py: the fixed part, the largest-batch arithmetic and the choice of the fastest
-configuration, on a tiny model; and the checkpointing byte count it relies on."""
+"""Pick by budget (sketchprop.report.budget, scripts/pick_budget.py): the fixed part, the
+largest-batch arithmetic and the choice of the fastest configuration, on a tiny model; and the
+checkpointing byte count it relies on."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from sketchprop.bench.memory_table import saved_bytes
+from sketchprop.bench.models import Configured, build_model
+from sketchprop.report.budget import fixed_bytes, plan, reference_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 
 
 @pytest.fixture(scope="module")
-def pb():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("pick_budget", SCRIPTS / "pick_budget.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+def tiny():
+    return build_model("roberta-base", quick=True).train()
 
 
-@pytest.fixture(scope="module")
-def tiny(pb):
-    return pb.bm.build_model("roberta-base", quick=True).train()
-
-
-def test_fixed_part_is_weights_grads_and_two_adam_moments(pb, tiny):
+def test_fixed_part_is_weights_grads_and_two_adam_moments(tiny):
     n_bytes = sum(p.numel() * p.element_size() for p in tiny.parameters())
-    fixed = pb.fixed_bytes(tiny)
+    fixed = fixed_bytes(tiny)
     assert fixed["weights"] == fixed["grads"] == n_bytes
     assert fixed["adamw_state"] == 2 * n_bytes
     assert fixed["total"] == 4 * n_bytes
     assert all(p.grad is None for p in tiny.parameters())  # the model is left as it was
 
 
-def test_reference_batch_holds_the_longest_example(pb):
+def test_reference_batch_holds_the_longest_example():
     lengths = [5, 9, 3, 40, 7, 8, 6]
-    ref = pb.reference_lengths(lengths, 4)
+    ref = reference_lengths(lengths, 4)
     assert len(ref) == 4 and ref[0] == 40 and max(ref) == 40
-    assert pb.reference_lengths(lengths, 4) == ref  # fixed seed
-    assert len(pb.reference_lengths(lengths, 20)) == 20  # drawn with replacement past the set
+    assert reference_lengths(lengths, 4) == ref  # fixed seed
+    assert len(reference_lengths(lengths, 20)) == 20  # drawn with replacement past the set
 
 
-def test_plan_arithmetic(pb):
+def test_plan_arithmetic():
     mib = 2**20
     # Saved bytes of a reference batch of 100 padded tokens, two encoder layers, L_max 10.
     saved = {"exact": 100 * mib, "ours@0.5": 80 * mib, "ours@0.2": 70 * mib, "ours@0.1": 60 * mib,
@@ -64,7 +56,7 @@ def test_plan_arithmetic(pb):
               "ours-blocksrht@0.1": t(0.7), "ckpt": t(1.2), "ckpt+ours-blocksrht@0.5": t(0.95),
               "ckpt+ours-blocksrht@0.2": t(0.94), "ckpt+ours-blocksrht@0.1": t(0.93)}
     fixed, budget = 50 * mib, 150 * mib
-    rows = {r["name"]: r for r in pb.plan(saved, 100, fixed, 2, 10, budget, 12, ratios,
+    rows = {r["name"]: r for r in plan(saved, 100, fixed, 2, 10, budget, 12, ratios,
                                           "blocksrht")}
     # exact: 1 MiB per padded token, 10 MiB per example: (150 - 50) / 10 = 10 examples.
     assert rows["exact"]["per_token"] == mib and rows["exact"]["largest_batch"] == 10
@@ -82,16 +74,16 @@ def test_plan_arithmetic(pb):
     # The fastest configuration that reaches batch 12 is ours at 0.1 (0.70), not exact (no room).
     assert [n for n, r in rows.items() if r["fastest"]] == ["ours@0.1"]
     # At batch 20 only checkpointing fits; the fastest of those is checkpointing + ours at 0.1.
-    rows = {r["name"]: r for r in pb.plan(saved, 100, fixed, 2, 10, budget, 20, ratios,
+    rows = {r["name"]: r for r in plan(saved, 100, fixed, 2, 10, budget, 20, ratios,
                                           "blocksrht")}
     assert [n for n, r in rows.items() if r["fastest"]] == ["ckpt+ours@0.1"]
     # No room at all: nothing fits, nothing is marked.
-    rows = pb.plan(saved, 100, fixed, 2, 10, fixed // 2, 1, ratios, "blocksrht")
+    rows = plan(saved, 100, fixed, 2, 10, fixed // 2, 1, ratios, "blocksrht")
     assert all(r["largest_batch"] == 0 and not r["fastest"] for r in rows)
 
 
 @pytest.mark.parametrize("patch", [None, dict(sketch="blocksrht", rho=0.1, exclude="classifier")])
-def test_checkpointing_bytes_same_for_reentrant_and_not(pb, tiny, patch):
+def test_checkpointing_bytes_same_for_reentrant_and_not(tiny, patch):
     """Both HF checkpointing variants save each layer's input through autograd's saved-tensor
     hooks: SavedTensorMeter counts the same bytes for either, far fewer than without."""
     from sketchprop.measure import SavedTensorMeter
@@ -104,7 +96,7 @@ def test_checkpointing_bytes_same_for_reentrant_and_not(pb, tiny, patch):
     for label, ckpt, kwargs in (("plain", False, None), ("reentrant", True, {"use_reentrant": True}),
                                 ("non-reentrant", True, {"use_reentrant": False})):
         method = {"patch": patch, "ckpt": ckpt, "ckpt_kwargs": kwargs}
-        with pb.bm.Configured(tiny, method):
+        with Configured(tiny, method):
             with SavedTensorMeter(tiny) as meter:
                 loss = tiny(**batch).loss
             loss.backward()  # recomputes through the same patched layers
@@ -112,11 +104,11 @@ def test_checkpointing_bytes_same_for_reentrant_and_not(pb, tiny, patch):
         counts[label] = meter.bytes
     assert counts["reentrant"] == counts["non-reentrant"] < counts["plain"] / 3
     # memory_table's discarding count (the one pick_budget uses) agrees.
-    discard = pb.mt.saved_bytes(tiny, batch, {"patch": patch, "ckpt": True})
+    discard = saved_bytes(tiny, batch, {"patch": patch, "ckpt": True})
     assert discard == counts["non-reentrant"]
 
 
-def test_cli_on_toy_glue(pb, glue_dir, tmp_path):
+def test_cli_on_toy_glue(glue_dir, tmp_path):
     """End to end on the tiny model: one row per configuration, written where asked."""
     bench = tmp_path / "bench"
     bench.mkdir()
@@ -128,7 +120,10 @@ def test_cli_on_toy_glue(pb, glue_dir, tmp_path):
         "results": [{"model": "roberta-base", "batch": {"source": "toy"},
                      "methods": {n: {"time": {"ratios": r}} for n, r in methods.items()}}]}))
     out = tmp_path / "budget.md"
-    assert pb.main(["--quick", "--task", "cola", "--budget-gib", "1", "--batch", "4",
+    spec = importlib.util.spec_from_file_location("pick_budget", SCRIPTS / "pick_budget.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--quick", "--task", "cola", "--budget-gib", "1", "--batch", "4",
                     "--glue-dir", str(glue_dir), "--bench-dir", str(bench), "--threads", "1",
                     "--ref-batch", "8", "--out", str(out)]) == 0
     text = out.read_text()

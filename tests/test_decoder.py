@@ -591,11 +591,11 @@ def test_decoder_finetune_quick(tmp_path):
 
 
 def test_decoder_finetune_refuses_bad_input(tmp_path):
-    import importlib.util
     import subprocess
-    import sys
 
     from test_bench_scripts import ROOT, py
+
+    from sketchprop.bench import decoder_finetune
 
     for args, message in ((["--methods", "exact,compactt"], "unknown method 'compactt'"),
                           (["--methods", "exact,compact(mlp=bogus)"], "unknown mlp 'bogus'"),
@@ -605,30 +605,15 @@ def test_decoder_finetune_refuses_bad_input(tmp_path):
         proc = subprocess.run(py("decoder_finetune.py", "--quick", *args), capture_output=True,
                               text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
-    spec = importlib.util.spec_from_file_location("decoder_finetune",
-                                                  ROOT / "scripts" / "decoder_finetune.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    with pytest.raises(mod.WeightsError, match="no such file"):
-        mod.gguf_path(str(tmp_path / "missing.gguf"))
+    with pytest.raises(decoder_finetune.WeightsError, match="no such file"):
+        decoder_finetune.gguf_path(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="SST-2/train.tsv"):
-        mod.sentences(str(tmp_path), "train")
+        decoder_finetune.sentences(str(tmp_path), "train")
 
 
 def test_decoders_method_names_parse():
-    import sys
+    from sketchprop.bench import decoders
 
-    from test_bench_scripts import ROOT
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import decoders
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
     assert decoders.split_methods("exact, compact(mlp=recompute,attention=stored),lora+ours") == [
         "exact", "compact(mlp=recompute,attention=stored)", "lora+ours"]
     assert decoders.parse_method("lora+ours+compact(mlp=input,lm_loss=stored)") == (

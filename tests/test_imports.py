@@ -83,8 +83,8 @@ def test_estimators_do_not_need_the_layers():
     assert graph["sketches"] == set() and graph["quantize"] == set()
 
 
-# Blocks the optional dependencies, imports every library module (the pipeline in glue/ excepted),
-# patches a small MLP with the defaults and takes a step.
+# Blocks the optional dependencies, imports every library module (the pipeline in glue/ and the
+# reports in report/, both extras, excepted), patches a small MLP with the defaults and takes a step.
 TORCH_ONLY = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -98,7 +98,8 @@ import torch
 import sketchprop
 from sketchprop import patch_activations, patch_linear
 for m in pkgutil.walk_packages(sketchprop.__path__, "sketchprop."):
-    if not m.name.startswith(("sketchprop.glue", "sketchprop.train")):
+    if not m.name.startswith(("sketchprop.glue", "sketchprop.train", "sketchprop.bench",
+                              "sketchprop.report")):
         importlib.import_module(m.name)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.1),
                             torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
@@ -117,3 +118,27 @@ def test_the_library_imports_with_torch_only():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == str(sorted(
         ["RandomizedLinear", "CompactGELU", "SeededDropout", "OutputLayerNorm", "RandomizedLinear"]))
+
+
+#: What ``scripts/gpu_check.sh`` runs on a lent GPU machine, which has torch and transformers only.
+GPU_CHECK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"hydra", "omegaconf", "datasets", "evaluate", "wandb", "peft"}:
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Block())
+from sketchprop.bench import backward_overhead, layer_step, model_step, saved_tensors
+from sketchprop.bench.common import environment
+import torch
+print(environment(torch.device("cpu"))["command"])
+"""
+
+
+def test_the_gpu_check_needs_torch_and_transformers_only():
+    scripts = (PACKAGE.parents[1] / "scripts" / "gpu_check.sh").read_text()
+    for script in ("bench_layer", "bench_model", "backward_overhead", "saved_tensors"):
+        assert f"scripts/{script}.py" in scripts  # the benchmarks imported above are its own
+    out = subprocess.run([sys.executable, "-c", GPU_CHECK], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.returncode == 0, out.stderr

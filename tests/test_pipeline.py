@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from sketchprop.glue import data as glue
+from sketchprop.glue import paths
 from sketchprop.glue.config import compose, validate
 from sketchprop.glue.train import RunError, _history_callback, run, run_files
 
@@ -90,8 +91,21 @@ def filed(root, pattern):
     return found[0]
 
 
+def absolute_paths(value) -> list[str]:
+    """Every word of every string in ``value`` (a result, walked) that is an absolute path, also
+    as the value of ``key=value``."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in absolute_paths(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in absolute_paths(v)]
+    if isinstance(value, str):
+        return [w for w in value.replace("=", " ").split() if os.path.isabs(w)]
+    return []
+
+
 def check_result(result, task, metric_names):
     assert CONTRACT <= set(result), CONTRACT - set(result)
+    assert not absolute_paths(result), absolute_paths(result)
     assert result["task"] == task and result["model"] == "tiny-roberta"
     assert set(result["metrics"]) == set(metric_names)
     assert result["metrics"] == {k: result["history"][-1][k] for k in metric_names}
@@ -243,6 +257,25 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
     runs = sorted((tmp_path / "outputs/multiruns").glob("*/*/*/seed=1"))
     assert [p.parent.name.split("method.rho=")[1].split(",")[0] for p in runs] == ["0.25", "0.5"]
     assert [(p / "result.json").exists() for p in runs] == [True, False]
+
+
+def test_result_names_no_folder_of_the_machine(tmp_path, glue_dir):
+    """A result records every path relative to the repository (the tests' folders lie outside it)
+    and the interpreter as `python` (outside it too), so that no result file names the folders of
+    the machine that made it; the identity comes out the same from the recorded config."""
+    from sketchprop.glue import migrate
+    from sketchprop.glue.config import REPO_ROOT
+
+    result = run(compose(overrides(tmp_path, glue_dir, "train.max_steps=2")),
+                 output_dir=tmp_path / "run")
+    assert not absolute_paths(result), absolute_paths(result)
+    config = result["config"]
+    assert config["data"]["glue_dir"] == os.path.relpath(glue_dir, REPO_ROOT)
+    for key, folder in [("results_dir", "results"), ("checkpoints_dir", "ckpt")]:
+        assert (REPO_ROOT / config[key]).resolve() == (tmp_path / folder).resolve()
+    assert result["run_dir"] == paths.portable((tmp_path / "run").resolve())
+    assert result["command"].split()[0] in ("python", paths.portable(sys.executable))
+    assert migrate.recorded_identity(result) == result["identity"]
 
 
 def test_result_records_the_commit_the_run_started_from(tmp_path, glue_dir, monkeypatch):

@@ -9,7 +9,7 @@ import sys
 from test_claims import overrides
 from test_pipeline import env
 
-from sketchprop.glue import runs
+from sketchprop.glue import paths, runs
 from sketchprop.glue.config import compose, validate
 from sketchprop.glue.train import EXIT_CLAIMED, run_files
 
@@ -53,7 +53,7 @@ def test_one_run_one_folder_and_runs_that_do_nothing_leave_none(tmp_path, glue_d
     for folder in folders:
         result = json.loads((folder / "result.json").read_text())
         stems[result["rho"]] = runs.run_stem(result["identity"])
-        assert result["run_dir"] == str(folder.resolve())
+        assert result["run_dir"] == paths.portable(folder.resolve())
     assert set(stems) == {0.5, 0.25}
     for folder in folders:
         log = (folder / "train.log").read_text()

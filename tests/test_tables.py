@@ -1,23 +1,19 @@
-"""scripts/make_tables.py rebuilds tables and figures from run JSON files alone, deterministically."""
+"""make tables (sketchprop.report) rebuilds tables and figures from run JSON files, deterministically."""
 
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from sketchprop.glue import runs as sp_runs
+from sketchprop.report import common, frontier
+from sketchprop.report.build import build
+from sketchprop.report.figure3 import figure3
+from sketchprop.report.figure5 import figure5_runs
+from sketchprop.report.table3 import table3
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tables.py"
-
-
-@pytest.fixture(scope="module")
-def make_tables():
-    spec = importlib.util.spec_from_file_location("make_tables", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def yaml_values(path):
@@ -104,10 +100,10 @@ def digest(folder: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*.*"))}
 
 
-def test_tables_and_figures_from_json_only_and_deterministic(make_tables, tmp_path):
+def test_tables_and_figures_from_json_only_and_deterministic(tmp_path):
     write_runs(tmp_path)
     write_bench(tmp_path)
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     table2 = (tmp_path / "tables" / "table2.md").read_text()
     table4 = (tmp_path / "tables" / "table4.md").read_text()
     # exact CoLA: seeds 1, 2, 3 -> 51, 52, 53: mean 52.00, sample sd 1.00
@@ -126,15 +122,15 @@ def test_tables_and_figures_from_json_only_and_deterministic(make_tables, tmp_pa
     for name in ("figure5_loss.png", "figure6_throughput.png"):
         assert (tmp_path / "figures" / name).stat().st_size > 0
     first = digest(tmp_path / "tables") | digest(tmp_path / "figures")
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     assert digest(tmp_path / "tables") | digest(tmp_path / "figures") == first
 
 
-def test_no_benchmark_no_speed(make_tables, tmp_path):
+def test_no_benchmark_no_speed(tmp_path):
     """Without results/bench no speed is shown anywhere: Table 4 has '-' and Figure 6 is not drawn
     (the runs' own times are never used)."""
     write_runs(tmp_path)
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     row = next(line for line in (tmp_path / "tables" / "table4.md").read_text().splitlines()
                if line.startswith("| blocksrht"))
     assert row.count("| - |") >= 2 and "01:20" not in row
@@ -165,7 +161,7 @@ def memory_point(table, task, batch, exact, ckpt=True, peak=False):
     return point
 
 
-def test_table3_and_figure3_with_checkpointing(make_tables, tmp_path):
+def test_table3_and_figure3_with_checkpointing(tmp_path):
     """Checkpointing rows ('none' = checkpointing alone) with the benchmark's step ratios; Figure 3
     gains a checkpointing column when every point has it."""
     memory = tmp_path / "memory"
@@ -180,7 +176,7 @@ def test_table3_and_figure3_with_checkpointing(make_tables, tmp_path):
         (tmp_path / "bench" / "model_cpu_test.json").read_text().replace('"minilm"',
                                                                           '"roberta-base"'))
     (tmp_path / "bench" / "model_cpu_test2.json").unlink()
-    make_tables.table3(memory, tmp_path / "tables", tmp_path / "bench")
+    table3(memory, tmp_path / "tables", tmp_path / "bench")
     lines = (tmp_path / "tables" / "table3.md").read_text().splitlines()
     rows = {line.split(" | ")[2]: line for line in lines if line.startswith("| cola (8) |")}
     assert set(rows) == {"paper layout (Gaussian)", "ours (blocksrht)",
@@ -192,11 +188,11 @@ def test_table3_and_figure3_with_checkpointing(make_tables, tmp_path):
         "paper layout (Gaussian)"]
     assert "| 1.00 / - / - / 1.10 |" in rows["paper layout (Gaussian)"]
     assert "| 400 / 399 / 399 / 399 | 50% / 50% / 50% / 50% |" in ck  # vs exact peak 800 MiB
-    make_tables.figure3(memory, tmp_path / "figures")
+    figure3(memory, tmp_path / "figures")
     assert (tmp_path / "figures" / "figure3_memory.png").stat().st_size > 0
 
 
-def test_table3_rows_of_bits(make_tables, tmp_path):
+def test_table3_rows_of_bits(tmp_path):
     """b-bit stored rows (memory_table's int<b>, int<b>+compact, int<b>+ckpt) are rows of their
     own, in the 'none' column, with the benchmark's step ratio where it timed them."""
     memory = tmp_path / "memory"
@@ -215,7 +211,7 @@ def test_table3_rows_of_bits(make_tables, tmp_path):
                                                        "median_s": 1.0}}
     (tmp_path / "bench" / "model_cpu_test.json").write_text(json.dumps(bench))
     (tmp_path / "bench" / "model_cpu_test2.json").unlink()
-    make_tables.table3(memory, tmp_path / "tables", tmp_path / "bench")
+    table3(memory, tmp_path / "tables", tmp_path / "bench")
     lines = (tmp_path / "tables" / "table3.md").read_text().splitlines()
     rows = {line.split(" | ")[2]: line for line in lines if line.startswith("| cola (8) |")}
     assert "| 250 / - / - / - | 38% / - / - / - |" in rows["exact, 8-bit rows"]
@@ -228,7 +224,7 @@ def test_table3_rows_of_bits(make_tables, tmp_path):
     assert not any("int2" in label or "2-bit rows +" in label for label in rows)
 
 
-def test_table3_from_training_runs(make_tables, tmp_path):
+def test_table3_from_training_runs(tmp_path):
     """experiment=table3 runs (GPU) give table3_roberta: peak memory per point and rate."""
     compact = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2,
                "gelu_code": "stochastic"}
@@ -243,7 +239,7 @@ def test_table3_from_training_runs(make_tables, tmp_path):
         path = tmp_path / "runs" / "table3" / "mrpc" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(run))
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     table = (tmp_path / "tables" / "table3_roberta.md").read_text()
     rows = {line.split(" | ")[1]: line for line in table.splitlines()
             if line.startswith("| mrpc (128)")}
@@ -254,28 +250,28 @@ def test_table3_from_training_runs(make_tables, tmp_path):
     assert "| 6.00 / - / - / - | 25% / - / - / - | 8.00 |" in rows["exact (compact)"]
 
 
-def test_majority_baseline_row(make_tables, tmp_path, glue_dir):
+def test_majority_baseline_row(tmp_path, glue_dir):
     """scripts/majority_baseline.py scores the constant prediction with the pipeline's metrics;
     Table 2 shows it under the exact row."""
     import subprocess
     import sys
 
     out = tmp_path / "baselines" / "majority.json"
-    subprocess.run([sys.executable, str(SCRIPT.parent / "majority_baseline.py"), "--glue-dir",
+    subprocess.run([sys.executable, str(SCRIPTS / "majority_baseline.py"), "--glue-dir",
                     str(glue_dir), "--tasks", "cola,stsb", "--out", str(out)], check=True,
                    capture_output=True, timeout=300)
     tasks = json.loads(out.read_text())["tasks"]
     assert tasks["cola"]["validation"] == {"matthews": 0.0}
     assert tasks["stsb"]["validation"] == {"pearson": None, "spearman": None}
     write_runs(tmp_path)
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     lines = (tmp_path / "tables" / "table2.md").read_text().splitlines()
     exact = next(i for i, line in enumerate(lines) if line.startswith("| exact |"))
     # cola, its paired column empty; mrpc not scored
     assert lines[exact + 1].startswith("| majority class | 0.00 |  | - |  |")
 
 
-def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
+def test_tuning_table_per_task_with_the_pool_run(tmp_path):
     for experiment, lr, batch, epochs, score in (("tune_cpu/lr3e-05", 3e-5, 32, 3, 55.0),
                                                  ("tune_cpu/bs16-lr3e-05", 3e-5, 16, 3, 56.0),
                                                  ("tune_cpu/ep10-lr3e-05", 3e-5, 32, 10, 56.5),
@@ -285,7 +281,7 @@ def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
         path = tmp_path / "runs" / experiment / "rte" / "exact-rho1.0-seed1.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(run))
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     text = (tmp_path / "tables" / "tuning.md").read_text()
     assert "Highest dev score per task at: rte lr 0.0001 batch 32 3 epochs." in text
     assert "Recipe: 3/10 epochs, batch 16/32, lr 3e-05, max length 128" in text  # tuned runs only
@@ -296,37 +292,37 @@ def test_tuning_table_per_task_with_the_pool_run(make_tables, tmp_path):
                                                        ["3e-05", "32", "10", "56.50"]]
 
 
-def test_two_recipes_in_one_cell_are_refused(tmp_path, make_tables):
+def test_two_recipes_in_one_cell_are_refused(tmp_path):
     """A short check run filed beside the full run of the same method (another max_steps): the
     tables refuse to average them and name the setting that differs and both files."""
     write_runs(tmp_path)
     odd = fake_run("cola", "gaussian", 0.1, 2, 30, 10, max_steps=30)
     path = tmp_path / "runs/minilm_cpu/cola" / f"{sp_runs.run_stem(odd['identity'])}.json"
     path.write_text(json.dumps(odd))
-    with pytest.raises(make_tables.MixedRecipes, match=r"differing in train\.max_steps") as info:
-        make_tables.main(["--results", str(tmp_path)])
+    with pytest.raises(common.MixedRecipes, match=r"differing in train\.max_steps") as info:
+        build(tmp_path)
     assert path.name in str(info.value)
 
 
-def test_checkpointing_runs_get_their_own_row(tmp_path, make_tables):
+def test_checkpointing_runs_get_their_own_row(tmp_path):
     write_runs(tmp_path)
     ckpt = fake_run("cola", "blocksrht", 0.1, 1, 47, 80, share=True, gradient_checkpointing=True)
     path = tmp_path / "runs/minilm_cpu/cola" / f"{sp_runs.run_stem(ckpt['identity'])}.json"
     path.write_text(json.dumps(ckpt))
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     table4 = (tmp_path / "tables/table4.md").read_text()
     assert "| blocksrht | ours+ckpt | 0.1 | 47.00 |" in table4
     assert "| blocksrht | ours | 0.1 | 48.00 |" in table4
     assert "ckpt" not in (tmp_path / "tables/table2.md").read_text()
 
 
-def test_run_files_without_identity_are_refused(tmp_path, make_tables):
+def test_run_files_without_identity_are_refused(tmp_path):
     write_runs(tmp_path)
     old = fake_run("cola", "dct", 0.1, 1, 40, 90)
     del old["identity"], old["recipe"]
     (tmp_path / "runs/minilm_cpu/cola/dct-rho0.1-seed1.json").write_text(json.dumps(old))
-    with pytest.raises(make_tables.MixedRecipes, match="migrate_runs.py"):
-        make_tables.main(["--results", str(tmp_path)])
+    with pytest.raises(common.MixedRecipes, match="migrate_runs.py"):
+        build(tmp_path)
 
 
 def write_paired_runs(results: Path, edit=None) -> None:
@@ -360,11 +356,11 @@ def comparison_rows(results: Path, scores: bool = False) -> dict[tuple[str, str]
     return {(c[1], c[2]): c[3:5] if scores else c[5:] for c in cells}
 
 
-def test_paired_differences_by_seed(tmp_path, make_tables):
+def test_paired_differences_by_seed(tmp_path):
     """Only seeds both runs have pair; the mean difference, its SE (sd / sqrt(n)) and n, beside the
     unpaired mean ± sd, in Table 2, Table 4 and the comparisons (md and csv)."""
     write_paired_runs(tmp_path)
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     # blocksrht 0.1 - exact, seeds 1-3 (exact's seed 4 has no pair): -5, -4, -7. Mean -16/3 = -5.33;
     # sd sqrt((1/9 + 16/9 + 25/9) / 2) = sqrt(7/3) = 1.528, SE 1.528 / sqrt(3) = 0.88.
     # Unpaired: 47.67 ± 2.52 against exact's mean over four seeds 54.75: -7.08.
@@ -413,46 +409,46 @@ def test_paired_differences_by_seed(tmp_path, make_tables):
     (lambda ident: ident["data"].update(sha256="1" * 16), "data.sha256"),
     (lambda ident: ident["model"].update(name="roberta-base"), "model.name"),
 ])
-def test_paired_runs_of_different_recipes_are_refused(tmp_path, make_tables, edit, setting):
+def test_paired_runs_of_different_recipes_are_refused(tmp_path, edit, setting):
     """blocksrht 0.1 trained with another setting than exact: one recipe per cell, so only the
     pairing can catch it; it names the setting and the files."""
     write_paired_runs(tmp_path, edit)
-    with pytest.raises(make_tables.MixedRecipes, match=rf"in {setting.replace('.', '[.]')}$") as info:
-        make_tables.main(["--results", str(tmp_path)])
+    with pytest.raises(common.MixedRecipes, match=rf"in {setting.replace('.', '[.]')}$") as info:
+        build(tmp_path)
     assert "blocksrht-rho0.1-seed1-" in str(info.value) and "exact-rho1.0-seed1-" in str(info.value)
 
 
-def test_verdict_wording(make_tables):
+def test_verdict_wording():
     """'higher'/'lower' only when the 95% t-interval excludes 0."""
-    paired = make_tables.Paired
+    paired = common.Paired
     # +1.0, +1.1, +0.9: SE 0.058, interval 1.0 ± 0.25, above 0.
-    assert make_tables.verdict(paired((1, 2, 3), (1.0, 1.1, 0.9))) == "higher"
-    assert make_tables.verdict(paired((1, 2, 3), (-1.0, -1.1, -0.9))) == "lower"
+    assert common.verdict(paired((1, 2, 3), (1.0, 1.1, 0.9))) == "higher"
+    assert common.verdict(paired((1, 2, 3), (-1.0, -1.1, -0.9))) == "lower"
     # +3, -1: mean 1, SE 2, t(0.975, 1) = 12.7: the interval spans 0.
-    assert make_tables.verdict(paired((1, 2), (3.0, -1.0))) == "no difference measured"
+    assert common.verdict(paired((1, 2), (3.0, -1.0))) == "no difference measured"
     # +1.0, +1.1, +0.9 would be 'higher' at n=3; one seed makes no claim however large.
-    assert make_tables.verdict(paired((1,), (50.0,))) == "n<2: no claim"
-    assert make_tables.fmt_paired(paired((1,), (50.0,))) == "one seed"
+    assert common.verdict(paired((1,), (50.0,))) == "n<2: no claim"
+    assert common.fmt_paired(paired((1,), (50.0,))) == "one seed"
 
 
-def test_a_seed_without_a_score_does_not_pair(make_tables):
+def test_a_seed_without_a_score_does_not_pair():
     """An undefined metric (e.g. the correlation of constant predictions) leaves its seed out."""
     exact = [fake_run("cola", "exact", 1.0, s, 50 + s, 100) for s in (1, 2, 3)]
     ours = [fake_run("cola", "blocksrht", 0.1, s, 40 + 2 * s, 100, share=True) for s in (1, 2, 3)]
     ours[1]["best_metrics"]["matthews"] = None
     for i, r in enumerate(exact + ours):
         r["_path"] = f"run{i}.json"
-    p = make_tables.paired(ours, exact)
+    p = common.paired(ours, exact)
     assert p.seeds == (1, 3) and p.diffs == (-9, -7)
 
 
-def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
+def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path):
     """Compact activations: a row of their own in Tables 2 and 4, paired with the runs that store
     activations (the only other difference); LoRA: its own pool with its own rate, paired with
     LoRA alone in tables/lora.md, never with the full model's runs."""
     compact = {"dropout": "seeded", "attention": "recompute", "gelu_bits": 2,
                "gelu_code": "stochastic"}
-    assert make_tables.COMPACT == compact == yaml_values("configs/activations/compact.yaml")
+    assert common.COMPACT == compact == yaml_values("configs/activations/compact.yaml")
     runs = {"minilm_cpu": [], "lora_cpu": []}
     for seed, (exact, rec, packed) in {1: (50, 45, 44), 2: (52, 48, 46), 3: (57, 50, 50)}.items():
         runs["minilm_cpu"] += [fake_run("cola", "exact", 1.0, seed, exact, 100),
@@ -476,9 +472,9 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
             path = tmp_path / "runs" / pool / "cola" / f"{sp_runs.run_stem(r['identity'])}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(r))
-    make_tables.main(["--results", str(tmp_path)])
+    build(tmp_path)
     # Figure 5 draws the exact model of seed 1, not its compact twin.
-    drawn = make_tables.figure5_runs([{**r, "_experiment": "minilm_cpu"}
+    drawn = figure5_runs([{**r, "_experiment": "minilm_cpu"}
                                       for r in runs["minilm_cpu"]], "minilm_cpu")
     assert [(r["sketch"], r["seed"], "activations" in r["identity"]) for r in drawn] == \
         [("exact", 1, False)]
@@ -506,15 +502,10 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path, make_tables):
            "32.00 ± 1.00 (n=3) | 3 | 1, 2, 3 | +0.00 / +1.00 / +2.00 | +1.00 | 0.58 |" in lora
 
 
-def test_frontier_points_pairs_and_fronts(make_tables, tmp_path):
-    """scripts/frontier.py: bytes from the CoLA-256 memory point, scores paired by seed with exact,
+def test_frontier_points_pairs_and_fronts(tmp_path):
+    """sketchprop.report.frontier: bytes from the CoLA-256 memory point, scores paired by seed with exact,
     step ratios from the roberta-base benchmark; the fronts follow the numbers, and a configuration
     without runs or bytes is listed, not drawn."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("frontier", SCRIPT.parent / "frontier.py")
-    frontier = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(frontier)
     write_runs(tmp_path)  # exact 51/52/53; blocksrht (ours) 0.1: 48 on seed 1; gaussian 0.1: 46
     write_bench(tmp_path)
     for name in ("model_cpu_test.json", "model_cpu_test2.json"):
@@ -542,3 +533,35 @@ def test_frontier_points_pairs_and_fronts(make_tables, tmp_path):
     assert front2 == {"checkpointing"}
     assert front3 == {"checkpointing", "exact", "blocksrht (ours) 0.1"}
     assert (tmp_path / "figures" / "frontier.png").stat().st_size > 0
+
+
+def test_blocks_are_embedded_wherever_their_markers_are(tmp_path):
+    """A block's markers may sit in README.md or a page under docs/: the table goes there, the
+    rest of each file stays; markers in no file, or in two, stop the build naming the files."""
+    from sketchprop.report.embed import BlockError
+    from sketchprop.report.summary import frontier_summary
+
+    results = tmp_path / "results"
+    write_runs(results)
+    write_bench(results)
+    readme = tmp_path / "README.md"
+    readme.write_text("# front door\n\n<!-- BEGIN table4 -->\nold\n<!-- END table4 -->\ntail\n"
+                      "<!-- BEGIN frontier_summary -->\n<!-- END frontier_summary -->\n")
+    page = tmp_path / "docs" / "results.md"
+    page.parent.mkdir()
+    page.write_text("# results\n<!-- BEGIN comparisons -->\n<!-- END comparisons -->\nend\n")
+    build(results)
+    for path, name in ((readme, "table4"), (page, "comparisons")):
+        body = (results / "tables" / f"{name}.md").read_text().split("\n", 2)[2].strip()
+        assert f"<!-- BEGIN {name} -->\n{body}\n<!-- END {name} -->" in path.read_text()
+    summary = frontier_summary(results / "tables" / "frontier.csv")
+    assert readme.read_text().startswith("# front door\n\n") and readme.read_text().endswith(
+        f"tail\n<!-- BEGIN frontier_summary -->\n{summary}\n<!-- END frontier_summary -->\n")
+    assert page.read_text().endswith("<!-- END comparisons -->\nend\n")
+    (tmp_path / "docs" / "other.md").write_text("<!-- BEGIN table4 -->\n<!-- END table4 -->\n")
+    with pytest.raises(BlockError, match=r"'table4'.*several files: README\.md, docs/other\.md"):
+        build(results)
+    (tmp_path / "docs" / "other.md").unlink()
+    readme.write_text("# front door\n<!-- BEGIN frontier_summary -->\n<!-- END frontier_summary -->\n")
+    with pytest.raises(BlockError, match=r"'table4': no file holds .*searched README\.md, docs/"):
+        build(results)

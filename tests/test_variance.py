@@ -544,6 +544,8 @@ def test_plot_script_on_synthetic_records(tmp_path):
     import importlib.util
     from pathlib import Path
 
+    from sketchprop.report.figure4 import per_step
+
     spec = importlib.util.spec_from_file_location(
         "plot_variance", Path(__file__).resolve().parents[1] / "scripts" / "plot_variance.py")
     mod = importlib.util.module_from_spec(spec)
@@ -562,7 +564,7 @@ def test_plot_script_on_synthetic_records(tmp_path):
     out = tmp_path / "fig" / "figure4.png"
     assert mod.main([str(run), "--out", str(out), "--window", "9"]) == 0
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
-    steps, ratio = mod.per_step(recs, "ratio")
+    steps, ratio = per_step(recs, "ratio")
     assert steps == list(range(1, 61))
     assert ratio[0] == pytest.approx((recs[0]["ratio"] + recs[1]["ratio"]) / 2)  # layers averaged
     assert ratio[2] == recs[4]["ratio"]                                         # None skipped

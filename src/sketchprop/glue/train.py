@@ -30,7 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import data as glue
-from . import runs
+from . import paths, runs
 from .config import CONFIG_DIR, REPO_ROOT, Config, ConfigError, _run_id, validate
 from .model import model_and_data, patch
 from .setup import check_sources
@@ -219,8 +219,8 @@ def _wandb_init(conf: Config, cfg: DictConfig, output_dir: Path, files: runs.Run
               f"{runs.recipe_hash(files.ident)}",
         name=f"{conf.task.name}-{stem}", dir=str(output_dir),
         tags=[conf.task.name, conf.model.name, sketch, f"rho{rho}"],
-        config={**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-                "identity": files.ident, "recipe": runs.recipe_hash(files.ident)})
+        config={**runs.portable_config(cfg), "identity": files.ident,
+                "recipe": runs.recipe_hash(files.ident)})
 
 
 #: result.json keys copied into the wandb summary, so that a sweep's runs can be compared on the
@@ -463,12 +463,13 @@ def _result(conf: Config, cfg: DictConfig, files: runs.RunFiles, trainer, out, e
         "global_step": trainer.state.global_step,
         "patched_layers": len(patched),
         "compact_modules": len(compact),
-        "resumed_from_checkpoint": str(resume_from) if resume_from else None,
-        "run_dir": str(output_dir.resolve()),
-        "command": shlex.join(sys.orig_argv),
-        "overrides": (list(HydraConfig.get().overrides.task) if HydraConfig.initialized()
-                      else None),
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        # Paths relative to the repository, the model as configured: see runs.portable_config.
+        "resumed_from_checkpoint": paths.portable(resume_from) if resume_from else None,
+        "run_dir": paths.portable(output_dir.resolve()),
+        "command": paths.portable_command(sys.orig_argv),
+        "overrides": (paths.portable_overrides(list(HydraConfig.get().overrides.task))
+                      if HydraConfig.initialized() else None),
+        "config": runs.portable_config(cfg),
     }
     if conf.method.track_variance and conf.method.patches:
         from ..tracking import collect

@@ -13,21 +13,33 @@
 Checkpointing computes the same gradients as the model without it (tested), so its score is
 exact's by construction (y = 0, no runs needed). A configuration with no bytes measured is listed
 and not drawn. The Pareto front: the points no other point beats on both axes (fewer or equal
-bytes and a higher or equal mean score). Built by ``make tables`` (``scripts/make_tables.py``):
-
-    python scripts/frontier.py          # results/tables/frontier.{md,csv}, results/figures/frontier.png
+bytes and a higher or equal mean score). Built by ``make tables``
+(``scripts/make_tables.py``): ``results/tables/frontier.md|csv``, ``results/figures/frontier.png``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_tables as mt  # noqa: E402
+from .common import (
+    EXACT,
+    bench_step_ratios,
+    describe,
+    key_of,
+    load_runs,
+    method_key,
+    paired,
+    pyplot,
+    save_figure,
+    score,
+    write_table,
+)
+from .comparisons import IMPORTANCE_ALLOC
+from .lora import LORA
 
 MEMORY_POINT = "table3-cola-b256.json"
 BENCH_MODEL = "roberta-base"
@@ -39,7 +51,7 @@ BYTES_AS_OURS = ("importance",)
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration: its label, its runs (experiment and make_tables key), its record in the
+    """One configuration: its label, its runs (experiment and method key), its record in the
     memory point (family and rate, None for a family without one) and its step-benchmark name."""
 
     label: str
@@ -51,38 +63,39 @@ class Config:
 
 
 def configs() -> list[Config]:
-    out = [Config("exact", "minilm_cpu", mt.EXACT, ("exact", None), "exact"),
+    """Every configuration the frontier places, in table order before sorting."""
+    out = [Config("exact", "minilm_cpu", EXACT, ("exact", None), "exact"),
            Config("checkpointing", None, None, ("ckpt", None), "ckpt", by_construction=True),
-           Config("compact activations", "minilm_cpu", mt.key_of("exact", "compact"),
+           Config("compact activations", "minilm_cpu", key_of("exact", "compact"),
                   ("compact", None), "compact")]
     for bits in (8, 4, 2):
-        out.append(Config(f"int{bits}", "minilm_cpu", mt.key_of("exact", f"int{bits}"),
+        out.append(Config(f"int{bits}", "minilm_cpu", key_of("exact", f"int{bits}"),
                           (f"int{bits}", None), f"int{bits}"))
     out.append(Config("int4 + compact activations", "minilm_cpu",
-                      mt.key_of("exact", "int4+compact"), ("int4+compact", None), "int4+compact"))
+                      key_of("exact", "int4+compact"), ("int4+compact", None), "int4+compact"))
     for rho in ("0.5", "0.2", "0.1"):
         r = float(rho)
-        out.append(Config(f"blocksrht (ours) {rho}", "minilm_cpu", mt.key_of("blocksrht", "ours", r),
+        out.append(Config(f"blocksrht (ours) {rho}", "minilm_cpu", key_of("blocksrht", "ours", r),
                           ("ours", rho), f"ours-blocksrht@{rho}"))
         for sketch in ("gaussian", "rademacher", "dct", "dft"):
             # The paper's layout stores k rows per layer whatever the sketch: the Gaussian's bytes.
             out.append(Config(f"{sketch} (paper) {rho}", "minilm_cpu",
-                              mt.key_of(sketch, "paper", r), ("paper", rho),
+                              key_of(sketch, "paper", r), ("paper", rho),
                               f"paper@{rho}" if sketch == "gaussian" else None))
     for rho in ("0.2", "0.1"):
         out.append(Config(f"blocksrht (ours) {rho} + compact activations", "minilm_cpu",
-                          mt.key_of("blocksrht", "ours+compact", float(rho)),
+                          key_of("blocksrht", "ours+compact", float(rho)),
                           ("ours+compact", rho), f"ours-blocksrht+compact@{rho}"))
     out += [
         Config("blocksrht (ours) 0.1 + checkpointing", "minilm_cpu",
-               mt.key_of("blocksrht", "ours+ckpt", 0.1), ("ckpt+ours", "0.1"),
+               key_of("blocksrht", "ours+ckpt", 0.1), ("ckpt+ours", "0.1"),
                "ckpt+ours-blocksrht@0.1"),
-        Config("importance (ours) 0.1", "minilm_cpu", mt.key_of("importance", "ours", 0.1),
+        Config("importance (ours) 0.1", "minilm_cpu", key_of("importance", "ours", 0.1),
                ("ours", "0.1"), None),
-        Config("importance (ours) 0.1, allocated", "minilm_cpu", mt.IMPORTANCE_ALLOC,
+        Config("importance (ours) 0.1, allocated", "minilm_cpu", IMPORTANCE_ALLOC,
                ("ours", "0.1"), None),
-        Config("LoRA", "lora_cpu", mt.LORA, ("lora", None), None),
-        Config("LoRA + blocksrht (ours) 0.1", "lora_cpu", mt.key_of("blocksrht", "lora+ours", 0.1),
+        Config("LoRA", "lora_cpu", LORA, ("lora", None), None),
+        Config("LoRA + blocksrht (ours) 0.1", "lora_cpu", key_of("blocksrht", "lora+ours", 0.1),
                ("lora+ours", "0.1"), None),
     ]
     return out
@@ -90,6 +103,9 @@ def configs() -> list[Config]:
 
 @dataclass
 class Point:
+    """A configuration's place: its bytes over exact's, its score minus exact's (± SE, n seeds,
+    paired or not) and its step time over exact's; None where not measured."""
+
     config: Config
     share: float | None
     diff: float | None
@@ -115,11 +131,12 @@ def _unpaired(ours: list[float], base: list[float]) -> tuple[float, float | None
 
 
 def points(runs: list[dict], memory: dict, bench: dict) -> list[Point]:
+    """Each of :func:`configs` placed from the CoLA runs, the memory point and the step ratios."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         if r["task"] == "cola":
-            groups.setdefault((r["_experiment"], mt.method_key(r)), []).append(r)
-    exact_runs = groups.get(("minilm_cpu", mt.EXACT), [])
+            groups.setdefault((r["_experiment"], method_key(r)), []).append(r)
+    exact_runs = groups.get(("minilm_cpu", EXACT), [])
     exact_bytes = _bytes(memory, "exact", None)
     out = []
     for c in configs():
@@ -133,17 +150,17 @@ def points(runs: list[dict], memory: dict, bench: dict) -> list[Point]:
             diff, se, n = 0.0, 0.0, 0
         elif c.key is not None:
             ours = groups.get((c.experiment, c.key), [])
-            if c.key == mt.EXACT and c.experiment == "minilm_cpu":
+            if c.key == EXACT and c.experiment == "minilm_cpu":
                 diff, se, n = 0.0, 0.0, len(ours)
             elif ours and c.experiment == "minilm_cpu":
-                p = mt.paired(ours, exact_runs)
+                p = paired(ours, exact_runs)
                 n = p.n
                 diff = p.mean if p.n else None
                 se = p.se
             elif ours:
                 is_paired = False
-                diff, se, n = _unpaired([mt.score(r) for r in ours],
-                                        [mt.score(r) for r in exact_runs])
+                diff, se, n = _unpaired([score(r) for r in ours],
+                                        [score(r) for r in exact_runs])
         timed = bench.get(c.bench) if c.bench else None
         out.append(Point(c, share, diff, se, n, is_paired, timed["ratio"] if timed else None))
     return out
@@ -191,6 +208,7 @@ def _fmt_diff(p: Point) -> str:
 
 def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figures: Path,
           runs: list[dict]) -> None:
+    """``tables``/frontier.md|csv and ``figures``/frontier.png from the points."""
     front = {id(p) for p in pareto(pts)}
     front_timed = {id(p) for p in pareto(pts, timed=True)}
     rows = []
@@ -201,10 +219,10 @@ def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figure
                      "yes" if id(p) in front_timed else ("" if p.time is not None else "-")])
     used = [r for r in runs if r["task"] == "cola" and r["_experiment"] in ("minilm_cpu",
                                                                             "lora_cpu")]
-    mt.write_table(tables / "frontier", ["configuration", "saved bytes / exact (CoLA 256)",
-                                         "CoLA MCC - exact", "step time / exact",
-                                         "front: bytes, score", "front: bytes, score, time"],
-                   rows, (
+    write_table(tables / "frontier", ["configuration", "saved bytes / exact (CoLA 256)",
+                                      "CoLA MCC - exact", "step time / exact",
+                                      "front: bytes, score", "front: bytes, score, time"],
+                rows, (
         "# The accuracy-memory-time frontier\n\n"
         "Every configuration as one point. 'saved bytes / exact': the bytes one training step "
         f"keeps for backward over exact's, {memory.get('model', 'roberta-base')} on CoLA at batch "
@@ -226,12 +244,12 @@ def write(pts: list[Point], memory: dict, bench_info: dict, tables: Path, figure
         "combined. The compact points' bytes are those of patch_activations' defaults, LayerNorm "
         "from its output included; their runs kept LayerNorm's input (activations=compact in the "
         "pipeline), which gives the same gradients to float32 rounding.\n\n"
-        + mt.describe(used)))
+        + describe(used)))
     _figure(pts, figures / "frontier.png")
 
 
 def _figure(pts: list[Point], path: Path) -> None:
-    plt = mt._pyplot()
+    plt = pyplot()
     drawn = [p for p in pts if p.share is not None and p.diff is not None]
     if not drawn:
         return
@@ -263,18 +281,14 @@ def _figure(pts: list[Point], path: Path) -> None:
                  "(unnamed dots: one seed, off the fronts; see results/tables/frontier.md)",
                  fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
-    mt._save(fig, path)
+    save_figure(fig, path)
 
 
 def build(results: Path) -> None:
     """Write results/tables/frontier.{md,csv} and results/figures/frontier.png from ``results``."""
-    runs = mt.load_runs(results / "runs")
+    runs = load_runs(results / "runs")
     memory_file = results / "memory" / MEMORY_POINT
-    memory = mt.json.loads(memory_file.read_text()) if memory_file.exists() else {}
-    bench = mt.bench_step_ratios(results / "bench", BENCH_MODEL)
+    memory = json.loads(memory_file.read_text()) if memory_file.exists() else {}
+    bench = bench_step_ratios(results / "bench", BENCH_MODEL)
     info = bench.pop("_info", {})
     write(points(runs, memory, bench), memory, info, results / "tables", results / "figures", runs)
-
-
-if __name__ == "__main__":
-    build(Path(sys.argv[1]) if len(sys.argv) > 1 else mt.ROOT / "results")

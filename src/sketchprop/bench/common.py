@@ -1,8 +1,9 @@
-"""Helpers shared by the benchmark scripts (torch only; no hydra, datasets or wandb).
+"""What the benchmarks share: the checkout's paths, options (threads, lists, sketches), the device,
+the environment a run records, interleaved timing with bracketed ratios, markdown tables and the
+JSON + markdown files every benchmark writes.
 
-The scripts run from a checkout without installing the package
-(``PYTHONPATH=src python scripts/...``) or with an installed ``sketchprop``. This module puts
-``src/`` on the path when needed.
+Torch only: no hydra, datasets or wandb at import (the recorded command is made by
+``sketchprop.glue.paths.portable_command``).
 """
 
 from __future__ import annotations
@@ -17,21 +18,21 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    try:
-        import sketchprop  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(ROOT / "src"))
+import torch
 
-import torch  # noqa: E402
+from sketchprop.glue.paths import REPO_ROOT, portable, portable_command
+from sketchprop.measure import usable_cores
+from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch
 
-from sketchprop.measure import usable_cores  # noqa: E402
-from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch  # noqa: E402
-
+ROOT = REPO_ROOT  # the checkout
 RESULTS = ROOT / "results" / "bench"
 # The GLUE files shipped with the code (data/glue/SOURCES.md); GLUE_DIR points elsewhere.
 GLUE = ROOT / "data" / "glue"
+
+
+class BadArgs(ValueError):
+    """An option a benchmark cannot run with, found before any work: its entry point reports it
+    as a usage error (exit status 2)."""
 
 
 def default_glue_dir() -> str:
@@ -47,6 +48,7 @@ def add_threads_arg(parser) -> None:
 
 
 def parse_list(text: str, kind=str) -> list:
+    """A comma-separated option as a list of ``kind``, empty items dropped."""
     return [kind(v) for v in text.split(",") if v.strip()]
 
 
@@ -80,11 +82,13 @@ def setup_device(name: str, threads: int | None, *, quiet: bool = False) -> torc
 
 
 def sync(dev: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on CPU."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 def cpu_model() -> str:
+    """The CPU's model name (``lscpu``), else what ``platform`` knows."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in out.splitlines():
@@ -96,6 +100,7 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str | None:
+    """The checkout's short commit hash (None outside git)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10)
@@ -115,8 +120,10 @@ def git_dirty() -> bool | None:
 
 
 def environment(dev: torch.device) -> dict:
+    """What a run records about where it ran: its command (as a user pastes it in a fresh clone),
+    the device and CPU, threads, versions, commit, load average and time."""
     env = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "command": portable_command(sys.orig_argv),
         "device": str(dev),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -237,6 +244,9 @@ def write_outputs(stem: str, payload: dict, tables: str, out_dir: str | os.PathL
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     payload = dict(payload)
+    if isinstance(payload.get("args"), dict):  # a committed record names no folder of the machine
+        payload["args"] = {k: portable(v) if isinstance(v, str | os.PathLike) else v
+                           for k, v in payload["args"].items()}
     payload.setdefault("environment", {}).setdefault(
         "loadavg_end", [round(v, 2) for v in os.getloadavg()])
     env = payload["environment"]
@@ -260,8 +270,10 @@ def write_outputs(stem: str, payload: dict, tables: str, out_dir: str | os.PathL
 
 
 def pct(x: float) -> str:
+    """``x`` as a percentage with one decimal."""
     return f"{100 * x:.1f}%"
 
 
 def r3(x: float) -> str:
+    """``x`` with three decimals."""
     return f"{x:.3f}"
