@@ -1,17 +1,21 @@
 """patch_linear on a peft LoRA model: the adapters' down-projections (``lora_A``) are the layers
 that still keep their input, and ``targets=r"lora_A"`` sketches just them."""
 
+import copy
 import math
+import warnings
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from scipy import stats
+from test_decoder import MODELS
+from test_decoder import batch as lm_batch
 from test_layers import FALSE_ALARM, MIN_POWER, SCALE_ERROR, Scaled, hotelling
 from test_patching import _labelled_records, _layer_records, batch, tiny_roberta
 from torch import nn
 
-from sketchprop import SKETCHES, RandomizedLinear, patch_linear, unpatch_linear
+from sketchprop import SKETCHES, RandomizedLinear, find_linear, patch_linear, unpatch_linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,3 +185,125 @@ def test_compact_activations_on_a_lora_model_are_exact_and_reversible():
     unpatch_activations(model)
     assert model.get_base_model().config._attn_implementation == \
         ref.get_base_model().config._attn_implementation
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_and_unload, in either order, on Conv1D (GPT-2) and nn.Linear (Llama)
+
+# Square and non-square layers in each: GPT-2's c_attn 32 -> 96, attn.c_proj 32 -> 32, mlp.c_proj
+# 128 -> 32; Llama's q_proj 32 -> 32, k_proj 32 -> 16, down_proj 48 -> 32.
+LORA_TARGETS = {"gpt2": ["c_attn", "c_proj"], "llama": ["q_proj", "k_proj", "down_proj"]}
+ORDERS = {
+    "patch, peft": (lambda m: patch_linear(m, "gaussian", 0.5, min_rows=1), None),
+    "peft, patch lora_A": (None, lambda m: patch_linear(m, "gaussian", 0.5, targets=r"lora_A",
+                                                        min_rows=1)),
+    "peft, patch all": (None, lambda m: patch_linear(m, "gaussian", 0.5, min_rows=1)),
+}
+
+
+def train_lora(arch, order, fan_in_fan_out, dora, steps=3):
+    """A tiny causal LM, patched and given LoRA (or DoRA) in ``order``, after a few Adam steps (so
+    that B, zero at the start, is not)."""
+    before, after = ORDERS[order]
+    model = MODELS[arch]()
+    if before:
+        before(model)
+    config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, use_dora=dora,
+                        fan_in_fan_out=fan_in_fan_out, target_modules=LORA_TARGETS[arch])
+    with warnings.catch_warnings():  # peft corrects fan_in_fan_out to the layer's kind, and says so
+        warnings.simplefilter("ignore")
+        model = get_peft_model(model, config)
+    if after:
+        after(model)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(**lm_batch()).loss.backward()
+        optimizer.step()
+    assert all(m.weight.abs().sum() > 0 for n, m in model.named_modules()
+               if n.endswith("lora_B.default"))
+    return model.eval()
+
+
+@pytest.mark.stack("peft-lora", "sketch")
+@pytest.mark.stack("peft-dora", "sketch")
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("fan_in_fan_out", [False, True], ids=["fifo=False", "fifo=True"])
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_merge_and_unload_gives_the_adapted_outputs(arch, order, fan_in_fan_out, dora):
+    """The merged model computes what the trained adapters did, and keeps the patched layers
+    patched (those of the base model: peft's own layers go with the merge); they unpatch to the
+    model's own layer types."""
+    model = train_lora(arch, order, fan_in_fan_out, dora)
+    data = lm_batch()
+    with torch.no_grad():
+        adapted = model(**data).logits
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(**data).logits, adapted, rtol=1e-4, atol=1e-5)
+    plain = MODELS[arch]()
+    patched = [n for n, m in merged.named_modules() if isinstance(m, RandomizedLinear)]
+    expected = [] if order == "peft, patch lora_A" else find_linear(plain)
+    assert patched == expected
+    unpatch_linear(merged)
+    assert [type(m) for m in merged.modules()] == [type(m) for m in plain.modules()]
+
+
+def test_a_model_merged_after_patching_reads_its_own_padding():
+    """Patched under peft, merged: the patched layers, now the merged model's, take each call's
+    padding rows from that call, not from the last call of the peft model (a stale mask would drop
+    real rows from the weight gradient)."""
+    model = get_peft_model(MODELS["llama"](), LoraConfig(task_type="CAUSAL_LM", r=2,
+                                                         target_modules=["q_proj"]))
+    patch_linear(model, "exact", 1.0)
+    model(**lm_batch()).loss.backward()  # padded
+    merged = model.merge_and_unload().requires_grad_(True)
+    ref = copy.deepcopy(merged)
+    unpatch_linear(ref)
+    ids = lm_batch()["input_ids"]
+    full = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    for m in (merged, ref):
+        m.zero_grad()
+        m(**full).loss.backward()
+    for (name, p), q in zip(merged.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+def test_a_square_conv1d_merges_the_right_way_round(fan_in_fan_out):
+    """GPT-2's attention output projection is square: merged with its weight read as (out, in), it
+    would compute wrong numbers without an error. peft sees the patched layer as the Conv1D it
+    replaced and merges it as one."""
+    model = MODELS["gpt2"]()
+    patch_linear(model, "gaussian", 0.5, min_rows=1)
+    config = LoraConfig(r=2, target_modules=r".*attn\.c_proj", fan_in_fan_out=fan_in_fan_out,
+                        init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(model, config).eval()
+    assert all(m.fan_in_fan_out for n, m in model.named_modules() if n.endswith("attn.c_proj"))
+    data = lm_batch()
+    with torch.no_grad():
+        adapted = model(**data).logits
+        torch.testing.assert_close(model.merge_and_unload()(**data).logits, adapted)
+
+
+def test_unpatch_a_model_patched_before_peft():
+    """unpatch_linear of the peft model puts the Conv1D layers back under the adapters, removes
+    the hooks from the base model that holds them, and leaves the adapted outputs as they were."""
+    from transformers.pytorch_utils import Conv1D
+
+    base = MODELS["gpt2"]()
+    names = patch_linear(base, "gaussian", 0.5)
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["c_attn"],
+                                            init_lora_weights=False)).eval()
+    data = lm_batch()
+    with torch.no_grad():
+        adapted = model(**data).logits
+    assert len(unpatch_linear(model)) == len(names)
+    assert all(type(m) is Conv1D for n, m in model.named_modules() if n.endswith(".c_attn.base_layer"))
+    assert not any(vars(m).keys() & {"_sketchprop_hooks", "_sketchprop_context",
+                                     "resize_token_embeddings"} for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(**data).logits, adapted, rtol=0, atol=0)
+        torch.testing.assert_close(model.merge_and_unload()(**data).logits, adapted)

@@ -74,7 +74,7 @@ def test_each_rank_draws_its_own_bits_after_a_step_before_the_group(tmp_path, pa
 # Saving
 
 
-def _tiny(arch: str, dropout: float = 0.1):
+def _tiny(arch: str, **config):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -82,15 +82,15 @@ def _tiny(arch: str, dropout: float = 0.1):
         return tf.RobertaForSequenceClassification(tf.RobertaConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=64, max_position_embeddings=40, num_labels=2, pad_token_id=1,
-            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
+            **config))
     if arch == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2))
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **config))
     return tf.GPT2LMHeadModel(tf.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=1,
-        eos_token_id=2))
+        eos_token_id=2, **config))
 
 
 def _batch(arch: str) -> dict:
@@ -168,6 +168,68 @@ def test_save_pretrained_keeps_keys_and_patching_again_restores(tmp_path, arch):
 
 
 # ---------------------------------------------------------------------------------------------
+# Resizing the vocabulary
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_resize_token_embeddings_keeps_a_patched_output_layer_patched(arch, tied):
+    """``resize_token_embeddings`` replaces an untied output layer by a plain ``nn.Linear`` of the
+    new size: patched (``exclude=None``), the layer stays the patched one, holding the new
+    Parameters (tied where they were), its seed stream kept; it computes as the plain model
+    resized alike, and unpatches to that model's head."""
+    model = _tiny(arch, tie_word_embeddings=tied).train()
+    plain = _tiny(arch, tie_word_embeddings=tied).train()
+    patch_linear(model, sketch="gaussian", rho=0.5, exclude=None, min_rows=1)
+    head = model.lm_head
+    _grads(model, _batch(arch))
+    model.zero_grad()  # a resize keeps the old gradients' shape on its Parameters
+    calls, gen = head.calls, head._gen.get_state()
+    for m in (model, plain):
+        torch.manual_seed(3)  # the new rows' initialisation
+        m.resize_token_embeddings(80)
+    assert model.lm_head is head and (head.in_features, head.out_features) == (32, 80)
+    assert head.weight.shape == (80, 32) and head.calls == calls
+    assert torch.equal(head._gen.get_state(), gen)
+    assert (head.weight is model.get_input_embeddings().weight) is tied
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    batch = _batch(arch)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(**batch).logits, plain.eval()(**batch).logits,
+                                   rtol=0, atol=0)
+    model.train()(**batch).loss.backward()
+    assert head.weight.grad.shape == (80, 32) and head.calls == calls + 1
+    unpatch_linear(model)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is head.weight
+    assert "resize_token_embeddings" not in vars(model)
+
+
+@pytest.mark.stack("save-load", "sketch")
+def test_a_patched_gpt2_loads_in_a_fresh_process(tmp_path):
+    """GPT-2's patched layers are of a class made on first use (it subclasses transformers'
+    Conv1D); a process that has made none finds it when it unpickles one."""
+    model = _tiny("gpt2").eval()
+    patch_linear(model, sketch="gaussian", rho=0.5)
+    torch.save(model, tmp_path / "model.pt")
+    batch = _batch("gpt2")
+    with torch.no_grad():
+        torch.save((batch, model(**batch).logits), tmp_path / "out.pt")
+    script = textwrap.dedent(f"""
+        import torch
+        from sketchprop import RandomizedLinear
+        model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        layer = model.transformer.h[0].attn.c_attn
+        assert type(layer).__name__ == "RandomizedConv1D" and isinstance(layer, RandomizedLinear)
+        batch, logits = torch.load({str(tmp_path / "out.pt")!r})
+        with torch.no_grad():
+            torch.testing.assert_close(model(**batch).logits, logits, rtol=0, atol=0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
 # Training loops: plain, accelerate, gradient accumulation
 
 #: (architecture, patch) per patch kind: the encoder for the linear patches and compact
@@ -238,7 +300,9 @@ def test_gradient_accumulation_gives_the_plain_models_gradients(patch):
     differs between them): the exact configurations accumulate the plain model's gradients
     (without dropout, whose seeded masks are not ``nn.Dropout``'s)."""
     arch, apply = EXACT[patch]
-    model, plain = _tiny(arch, dropout=0.0).train(), _tiny(arch, dropout=0.0).train()
+    config = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} \
+        if arch == "roberta" else {}
+    model, plain = _tiny(arch, **config).train(), _tiny(arch, **config).train()
     apply(model)
     batch = _batch(arch)
     grads = []

@@ -1,8 +1,12 @@
-"""``RandomizedLinear``: an ``nn.Linear`` whose weight gradient is computed from a sketch."""
+"""``RandomizedLinear``: an ``nn.Linear`` whose weight gradient is computed from a sketch, and
+``RandomizedConv1D``, the same on transformers' ``Conv1D`` (made when first needed); the
+:class:`SketchContext` the layers of one model share, and the :class:`MaskHook` that feeds it."""
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import inspect
 import math
 import re
 import sys
@@ -20,8 +24,8 @@ from .functional import SketchedLinearFunction, seed_tensor
 from .quantize import DEFAULT_GROUP, QuantSpec, check_bits, check_group, quantize
 from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
 
-__all__ = ["RandomizedLinear", "SketchContext", "DEFAULT_MIN_ROWS", "check_rho", "conv1d_class",
-           "resolve_rho"]
+__all__ = ["RandomizedLinear", "SketchContext", "MaskHook", "CONTEXT_ATTRIBUTE", "DEFAULT_MIN_ROWS",
+           "check_rho", "conv1d_class", "randomized_conv1d_class", "resolve_rho"]
 
 # Below this many rows a sketch saves next to nothing and adds the most variance (the classifier head
 # sees one row per example), so such layers keep their input exactly. The authors clamp at 3 rows.
@@ -214,69 +218,69 @@ class SketchContext:
         self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed, plan, owner, qvar)
 
 
-class RandomizedLinear(nn.Linear):
-    """A linear layer with exact forward, exact ``dX``/``db``, and a randomized weight gradient.
+#: The attribute of a patched model that holds its layers' :class:`SketchContext`.
+CONTEXT_ATTRIBUTE = "_sketchprop_context"
 
-    The forward pass stores ``S^T X`` (``B_proj x N_in`` with ``B_proj = max(min_rows,
-    ceil(rho * B))``, never more than ``B``) instead of ``X``; backward regenerates ``S`` from the
-    call's seed and returns ``dW = (S^T dY)^T (S^T X)``, an unbiased estimate of ``dY^T X``. When
-    ``B_proj`` reaches ``B`` the layer stores its input rows and is exact.
+#: Arguments of an encoder-decoder's forward that give the decoder's sequence length.
+_DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
 
-    Each forward call draws a fresh seed from the layer's own generator, seeded by ``seed`` (the run
-    seed), the layer ``name`` and the distributed rank; the global RNG is never touched, so dropout
-    streams stay as in the exact model. The ``importance`` sketch depends on ``X`` and on the
-    layer's running gradient-norm estimate (``grad_norms``, updated in backward): forward saves its
-    row indices and scales instead of a seed (:class:`~sketchprop.sketches.Importance`).
 
-    Under activation checkpointing the forward of a checkpointed block runs twice: the recomputation
-    in backward draws a new seed and forms a new sketch, and backward uses that pair (the seed is a
-    saved tensor, see :mod:`sketchprop.functional`), so the weight gradient stays unbiased; the
-    generator simply advances twice per step.
+class MaskHook:
+    """A forward pre-hook that hands the call's ``attention_mask`` to the model's
+    :class:`SketchContext` (the one its layers share, its attribute :data:`CONTEXT_ATTRIBUTE`;
+    :func:`~sketchprop.patch_linear` sets both). The context is looked up on the model called, not
+    captured: a ``copy.deepcopy`` of the model (hooks included) feeds its own copy. A
+    class, not a closure, so that ``torch.save(model)`` can pickle it.
 
-    A layer made from transformers' ``Conv1D`` (by :meth:`from_linear`) keeps that layer's
-    ``(in, out)`` weight (``fan_in_fan_out``, as peft names it) and computes with its transpose, a
-    view: the Parameter, its state_dict key and any weight tied to it are unchanged.
-
-    With ``bits`` (8, 4 or 2) the stored rows (the sketch, or ``X`` itself when the sketch is
-    exact) are kept as packed ``bits``-bit codes, ``group`` columns sharing a scale, rounded
-    stochastically so that ``dW`` stays unbiased (:mod:`sketchprop.quantize`); the rounding's
-    random numbers come from the same per-layer stream as the sketch's seeds.
-
-    Args:
-        sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.
-        rho: compression rate in (0, 1].
-        min_rows: lower bound on ``B_proj``.
-        bits / group: code width of the stored rows (None: as they are) and columns per scale.
-        seed: run seed. ``name``: the layer's qualified name (part of its seed).
-        share_inputs / skip_padding: use the :class:`SketchContext` ``context`` (set by
-            :func:`~sketchprop.patch_linear`) to share sketches of one input and skip padding rows.
+    Rows are matched to the mask by shape. In an encoder-decoder (T5) the mask is the encoder's,
+    and a decoder sequence of the same length would be masked by it although its rows carry
+    gradient: such a call skips no rows (the weight gradient stays unbiased, it saves less).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        *,
-        sketch: str | Sketch = "gaussian",
-        rho: float = 0.1,
-        min_rows: int = DEFAULT_MIN_ROWS,
-        seed: int = 0,
-        name: str = "",
-        share_inputs: bool = False,
-        skip_padding: bool = False,
-        context: SketchContext | None = None,
-        bits: int | None = None,
-        group: int = DEFAULT_GROUP,
-    ):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._configure(sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context,
-                        bits, group)
+    def __init__(self, model: nn.Module):
+        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder",
+                                            False))
+        self._signature: inspect.Signature | None = None  # of the forward, read at the first call
 
-    def _configure(self, sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context,
-                   bits=None, group=DEFAULT_GROUP):
+    def __getstate__(self) -> dict:
+        return {"encoder_decoder": self.encoder_decoder, "_signature": None}
+
+    def _bind(self, module: nn.Module, args, kwargs) -> dict:
+        if not args:
+            return kwargs
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(module.forward)
+            except (TypeError, ValueError):
+                return kwargs
+        try:
+            return self._signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return kwargs
+
+    def __call__(self, module, args, kwargs):
+        context = getattr(module, CONTEXT_ATTRIBUTE, None)
+        if context is None:
+            return
+        arguments = self._bind(module, args, kwargs)
+        mask = arguments.get("attention_mask")
+        if self.encoder_decoder and isinstance(mask, Tensor) and mask.dim() == 2:
+            decoder = (arguments.get(key) for key in _DECODER_INPUTS)
+            if any(isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == mask.shape[1]
+                   for t in decoder):
+                mask = None
+        context.set_mask(mask)
+
+
+class _Sketched:
+    """The computation :class:`RandomizedLinear` and ``RandomizedConv1D`` share (a mixin before
+    their ``nn.Module`` base): configuration, the seed stream, forward."""
+
+    fan_in_fan_out = False  # True: ``weight`` is stored (in, out), as transformers' Conv1D
+
+    def _configure(self, sketch="gaussian", rho=0.1, min_rows=DEFAULT_MIN_ROWS, seed=0, name="",
+                   share_inputs=False, skip_padding=False, context=None, bits=None,
+                   group=DEFAULT_GROUP):
         self.sketch = get_sketch(sketch)
         self.rho = check_rho(rho)
         self.bits, self.group = check_bits(bits), check_group(group)
@@ -294,45 +298,40 @@ class RandomizedLinear(nn.Linear):
         self._gen: torch.Generator | None = None
         self._gen_rank: int | None = None  # the rank ``_gen`` was seeded for
         self.calls = 0
-        self.fan_in_fan_out = False  # True: ``weight`` is stored (in, out), as transformers' Conv1D
 
     @classmethod
     def from_linear(cls, linear: nn.Module, sketch: str | Sketch = "gaussian", rho: float = 0.1,
                     **kwargs) -> RandomizedLinear:
-        """Wrap ``linear`` (an ``nn.Linear`` or transformers' ``Conv1D``), reusing its ``weight``
-        and ``bias`` Parameters (same state_dict keys, ties kept)."""
+        """Wrap ``linear`` (an ``nn.Linear``, or transformers' ``Conv1D``: a ``RandomizedConv1D``),
+        reusing its ``weight`` and ``bias`` Parameters (same state_dict keys, ties kept)."""
         conv1d = conv1d_class()
         if conv1d is not None and isinstance(linear, conv1d):
-            n_in, n_out, fan_in_fan_out = linear.nx, linear.nf, True
+            kind, shape = randomized_conv1d_class(), (linear.nf, linear.nx)
         elif isinstance(linear, nn.Linear):
-            n_in, n_out, fan_in_fan_out = linear.in_features, linear.out_features, False
+            kind = RandomizedLinear
+            shape = (linear.in_features, linear.out_features, linear.bias is not None)
         else:
             raise TypeError(f"expected nn.Linear or transformers' Conv1D, got "
                             f"{type(linear).__name__}")
-        new = cls(n_in, n_out, bias=linear.bias is not None, device="meta", sketch=sketch, rho=rho,
-                  **kwargs)
-        new.weight, new.bias = linear.weight, linear.bias
-        new.fan_in_fan_out = fan_in_fan_out
-        new.train(linear.training)
-        return new
+        new = kind(*shape, device="meta", sketch=sketch, rho=rho, **kwargs)
+        new.hold(linear)
+        return new.train(linear.training)
 
-    def to_linear(self) -> nn.Module:
-        """The layer this one replaced, holding the same Parameters: an ``nn.Linear``, or
-        transformers' ``Conv1D`` for a ``fan_in_fan_out`` layer."""
+    def hold(self, linear: nn.Module) -> None:
+        """Compute with the ``weight`` and ``bias`` Parameters of ``linear``, a plain layer of this
+        layer's kind (``nn.Linear`` or ``Conv1D``), whatever their size."""
+        self.weight, self.bias = linear.weight, linear.bias
         if self.fan_in_fan_out:
-            with torch.device("meta"):  # its own weight is replaced at once: allocate nothing
-                lin = conv1d_class()(self.out_features, self.in_features)
+            self.in_features, self.out_features = self.nx, self.nf = self.weight.shape
         else:
-            lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                            device="meta")
-        lin.weight, lin.bias = self.weight, self.bias
-        lin.train(self.training)
-        return lin
+            self.out_features, self.in_features = self.weight.shape
 
     def extra_repr(self) -> str:
         fan = ", fan_in_fan_out=True" if self.fan_in_fan_out else ""
         bits = f", bits={self.bits}, group={self.group}" if self.bits else ""
-        return f"{super().extra_repr()}{fan}, sketch={self.sketch.name}, rho={self.rho:g}{bits}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}{fan}, sketch={self.sketch.name}, rho={self.rho:g}"
+                f"{bits}")
 
     def num_rows(self, n: int) -> tuple[int, int, bool]:
         """``(k, k_uniform, allocated)`` for a call covering ``n`` rows: the rows sketched, the rows
@@ -423,7 +422,7 @@ class RandomizedLinear(nn.Linear):
                                                 self.tracker, tstate, plan, tuple(hooks), quant,
                                                 qvar)
 
-    def _join(self, owner: RandomizedLinear) -> None:
+    def _join(self, owner: _Sketched) -> None:
         """This layer reuses the sketch ``owner`` formed: learn one gradient-norm estimate for
         both (the sketch serves both) and move rows together."""
         if owner is self:
@@ -432,6 +431,124 @@ class RandomizedLinear(nn.Linear):
             self.grad_norms = owner.grad_norms
         if self.allocation is not None:
             self.allocation.share(self.name, owner.name)
+
+
+class RandomizedLinear(_Sketched, nn.Linear, metaclass=abc.ABCMeta):
+    """A linear layer with exact forward, exact ``dX``/``db``, and a randomized weight gradient.
+
+    The forward pass stores ``S^T X`` (``B_proj x N_in`` with ``B_proj = max(min_rows,
+    ceil(rho * B))``, never more than ``B``) instead of ``X``; backward regenerates ``S`` from the
+    call's seed and returns ``dW = (S^T dY)^T (S^T X)``, an unbiased estimate of ``dY^T X``. When
+    ``B_proj`` reaches ``B`` the layer stores its input rows and is exact.
+
+    Each forward call draws a fresh seed from the layer's own generator, seeded by ``seed`` (the run
+    seed), the layer ``name`` and the distributed rank; the global RNG is never touched, so dropout
+    streams stay as in the exact model. The ``importance`` sketch depends on ``X`` and on the
+    layer's running gradient-norm estimate (``grad_norms``, updated in backward): forward saves its
+    row indices and scales instead of a seed (:class:`~sketchprop.sketches.Importance`).
+
+    Under activation checkpointing the forward of a checkpointed block runs twice: the recomputation
+    in backward draws a new seed and forms a new sketch, and backward uses that pair (the seed is a
+    saved tensor, see :mod:`sketchprop.functional`), so the weight gradient stays unbiased; the
+    generator simply advances twice per step.
+
+    :meth:`from_linear` of transformers' ``Conv1D`` gives a ``RandomizedConv1D``: a ``Conv1D``, not
+    an ``nn.Linear``, so that peft adapts it as the layer it replaced (the ``(in, out)`` weight,
+    ``fan_in_fan_out`` as peft names it, merged the right way round). It computes with the
+    transpose of that weight, a view: the Parameter, its state_dict key and any weight tied to it
+    are unchanged. It counts as a ``RandomizedLinear`` (``isinstance``, a virtual subclass).
+
+    With ``bits`` (8, 4 or 2) the stored rows (the sketch, or ``X`` itself when the sketch is
+    exact) are kept as packed ``bits``-bit codes, ``group`` columns sharing a scale, rounded
+    stochastically so that ``dW`` stays unbiased (:mod:`sketchprop.quantize`); the rounding's
+    random numbers come from the same per-layer stream as the sketch's seeds.
+
+    Args:
+        sketch: a name in :data:`~sketchprop.SKETCHES` or a :class:`~sketchprop.sketches.Sketch`.
+        rho: compression rate in (0, 1].
+        min_rows: lower bound on ``B_proj``.
+        bits / group: code width of the stored rows (None: as they are) and columns per scale.
+        seed: run seed. ``name``: the layer's qualified name (part of its seed).
+        share_inputs / skip_padding: use the :class:`SketchContext` ``context`` (set by
+            :func:`~sketchprop.patch_linear`) to share sketches of one input and skip padding rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        sketch: str | Sketch = "gaussian",
+        rho: float = 0.1,
+        min_rows: int = DEFAULT_MIN_ROWS,
+        seed: int = 0,
+        name: str = "",
+        share_inputs: bool = False,
+        skip_padding: bool = False,
+        context: SketchContext | None = None,
+        bits: int | None = None,
+        group: int = DEFAULT_GROUP,
+    ):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._configure(sketch, rho, min_rows, seed, name, share_inputs, skip_padding, context,
+                        bits, group)
+
+    def to_linear(self) -> nn.Linear:
+        """The ``nn.Linear`` this layer replaced, holding the same Parameters."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device="meta")
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin.train(self.training)
+
+
+def randomized_conv1d_class() -> type:
+    """``RandomizedConv1D``: :class:`RandomizedLinear`'s computation on transformers' ``Conv1D``
+    (see there), a ``Conv1D`` subclass. Made at the first call, as it imports transformers; kept
+    as ``sketchprop.layers.RandomizedConv1D``, where unpickling finds it."""
+    with _CONV1D_LOCK:  # one class: an instance of a second would not pickle
+        made = globals().get("RandomizedConv1D")
+        if made is None:
+            made = globals()["RandomizedConv1D"] = _make_randomized_conv1d()
+    return made
+
+
+_CONV1D_LOCK = threading.Lock()
+
+
+def _make_randomized_conv1d() -> type:
+    from transformers.pytorch_utils import Conv1D
+
+    class RandomizedConv1D(_Sketched, Conv1D):
+        """:class:`RandomizedLinear` on transformers' ``Conv1D``: see there."""
+
+        __qualname__ = "RandomizedConv1D"
+        __repr__ = nn.Module.__repr__  # Conv1D's own shows nf and nx only
+        fan_in_fan_out = True
+
+        def __init__(self, nf: int, nx: int, device=None, **config):
+            with torch.device(device) if device is not None else nullcontext():
+                super().__init__(nf, nx)
+            self.in_features, self.out_features = nx, nf
+            self._configure(**config)
+
+        def to_linear(self) -> nn.Module:
+            """The ``Conv1D`` this layer replaced, holding the same Parameters."""
+            with torch.device("meta"):  # its own weight is replaced at once: allocate nothing
+                conv = Conv1D(self.nf, self.nx)
+            conv.weight, conv.bias = self.weight, self.bias
+            return conv.train(self.training)
+
+    RandomizedLinear.register(RandomizedConv1D)
+    return RandomizedConv1D
+
+
+def __getattr__(name: str):
+    if name == "RandomizedConv1D":  # unpickling one in a process that has not made the class yet
+        return randomized_conv1d_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_rho(rho: float | Mapping[str, float], name: str) -> float:

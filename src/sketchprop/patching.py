@@ -1,5 +1,5 @@
 """Module surgery, the one place that does it: :func:`patch_linear` swaps linear layers
-(``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear`,
+(``nn.Linear`` and transformers' ``Conv1D``) for :class:`RandomizedLinear` (``RandomizedConv1D``),
 :func:`patch_activations` swaps dropout, GELU and LayerNorm modules for their compact forms,
 gives gated MLPs, RMSNorms and a causal LM's loss forwards of their own and switches the attention
 function (the parts: :mod:`sketchprop.activations`); each has an inverse.
@@ -17,16 +17,25 @@ import functools
 import inspect
 import logging
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from torch import Tensor, nn
+from torch import nn
 
 from . import activations as act
 from .activations.attention import _attention_keeps_no_probabilities, _attention_owner, _attention_refusal
 from .activations.mlp import forget_mlp_check
 from .allocation import ALLOCATIONS, VarianceAllocation
-from .layers import DEFAULT_MIN_ROWS, RandomizedLinear, SketchContext, conv1d_class, resolve_rho
+from .layers import (
+    CONTEXT_ATTRIBUTE,
+    DEFAULT_MIN_ROWS,
+    MaskHook,
+    RandomizedLinear,
+    SketchContext,
+    conv1d_class,
+    resolve_rho,
+)
 from .quantize import DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
 from .tracking import select_layers
@@ -39,7 +48,6 @@ __all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "RMSNORM", "patch_l
 log = logging.getLogger(__name__)
 
 _HOOKS = "_sketchprop_hooks"
-_CONTEXT = "_sketchprop_context"
 _ACTIVATIONS = "_sketchprop_activations"
 
 #: Left exact unless ``exclude`` says otherwise: a language model's output layer. Its weight is tied
@@ -114,56 +122,6 @@ def find_linear(model: nn.Module, targets: str | None = None,
     return _select(model, _is_linear, targets, exclude)
 
 
-#: Arguments of an encoder-decoder's forward that give the decoder's sequence length.
-_DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
-
-
-class _MaskHook:
-    """A forward pre-hook that hands the call's ``attention_mask`` to the model's
-    :class:`SketchContext` (the one its layers share). The context is looked up on the model
-    called, not captured: a ``copy.deepcopy`` of the model (hooks included) feeds its own copy. A
-    class, not a closure, so that ``torch.save(model)`` can pickle it.
-
-    Rows are matched to the mask by shape. In an encoder-decoder (T5) the mask is the encoder's,
-    and a decoder sequence of the same length would be masked by it although its rows carry
-    gradient: such a call skips no rows (the weight gradient stays unbiased, it saves less).
-    """
-
-    def __init__(self, model: nn.Module):
-        self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder",
-                                            False))
-        self._signature: inspect.Signature | None = None  # of the forward, read at the first call
-
-    def __getstate__(self) -> dict:
-        return {"encoder_decoder": self.encoder_decoder, "_signature": None}
-
-    def _bind(self, module: nn.Module, args, kwargs) -> dict:
-        if not args:
-            return kwargs
-        if self._signature is None:
-            try:
-                self._signature = inspect.signature(module.forward)
-            except (TypeError, ValueError):
-                return kwargs
-        try:
-            return self._signature.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            return kwargs
-
-    def __call__(self, module, args, kwargs):
-        context = getattr(module, _CONTEXT, None)
-        if context is None:
-            return
-        arguments = self._bind(module, args, kwargs)
-        mask = arguments.get("attention_mask")
-        if self.encoder_decoder and isinstance(mask, Tensor) and mask.dim() == 2:
-            decoder = (arguments.get(key) for key in _DECODER_INPUTS)
-            if any(isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == mask.shape[1]
-                   for t in decoder):
-                mask = None
-        context.set_mask(mask)
-
-
 def patch_linear(
     model: nn.Module,
     sketch: str = "gaussian",
@@ -183,8 +141,13 @@ def patch_linear(
 
     Linear layers are ``nn.Linear`` modules (exactly that type: a subclass may be used otherwise,
     as ``nn.MultiheadAttention`` reads its output projection's weight without calling it) and
-    transformers' ``Conv1D`` (GPT-2's; its ``(in, out)`` weight is kept as it is, see
-    :class:`RandomizedLinear`).
+    transformers' ``Conv1D`` (GPT-2's; its ``(in, out)`` weight is kept as it is, in a
+    ``RandomizedConv1D``, see :class:`RandomizedLinear`).
+
+    On a transformers model, or a peft model around one, the padding hook and the layers' shared
+    state go on the transformers model (which ``merge_and_unload`` returns), and its
+    ``resize_token_embeddings`` keeps a patched output layer patched (holding the resized
+    Parameters) where transformers would put a plain ``nn.Linear`` in its place.
 
     Args:
         model: any ``nn.Module``; patched in place.
@@ -262,11 +225,17 @@ def patch_linear(
         layer.allocation = allocation
         new[name] = layer
 
+    # The hooks and the context go on the transformers model (a peft model's base model, which
+    # peft calls with the mask): merge_and_unload gives it back with its layers' mask hook.
+    owner = _transformers_owner(model)
+    holder = model if owner is None else owner
     hooks = []
     if skip_padding:
-        hooks.append(model.register_forward_pre_hook(_MaskHook(model), with_kwargs=True))
-        setattr(model, _CONTEXT, context)
-    setattr(model, _HOOKS, hooks)
+        hooks.append(holder.register_forward_pre_hook(MaskHook(holder), with_kwargs=True))
+        setattr(holder, CONTEXT_ATTRIBUTE, context)
+    setattr(holder, _HOOKS, hooks)
+    if owner is not None:
+        owner.__dict__["resize_token_embeddings"] = bound(_resize_token_embeddings, owner)
     return _swap(model, new)
 
 
@@ -275,12 +244,31 @@ def unpatch_linear(model: nn.Module) -> list[str]:
     every :class:`RandomizedLinear` and remove the hooks ``patch_linear`` added. Returns the names."""
     names = _select(model, lambda m: isinstance(m, RandomizedLinear), None, None)
     _swap(model, {name: model.get_submodule(name).to_linear() for name in names})
-    for hook in getattr(model, _HOOKS, None) or []:
-        hook.remove()
-    for attribute in (_HOOKS, _CONTEXT):
-        if hasattr(model, attribute):
-            delattr(model, attribute)
+    for module in model.modules():  # the model, or the peft base model that holds the hooks
+        own = vars(module)
+        for hook in own.pop(_HOOKS, None) or []:
+            hook.remove()
+        own.pop(CONTEXT_ATTRIBUTE, None)
+        if getattr(own.get("resize_token_embeddings"), "func", None) is _resize_token_embeddings:
+            del own["resize_token_embeddings"]
     return names
+
+
+def _resize_token_embeddings(model: nn.Module, *args, **kwargs):
+    """transformers' ``resize_token_embeddings`` on a patched model (it takes the method's place).
+    The resize replaces an untied output layer by a plain ``nn.Linear`` of the new size: the
+    patched layer takes that layer's Parameters and its place back, its settings and seed stream
+    kept, so that the model stays patched."""
+    patched = {n: m for n, m in model.named_modules() if isinstance(m, RandomizedLinear)}
+    out = type(model).resize_token_embeddings(model, *args, **kwargs)
+    back = {}
+    for name, layer in patched.items():
+        new = model.get_submodule(name)
+        if new is not layer and type(new) is type(layer.to_linear()):
+            layer.hold(new)
+            back[name] = layer
+    _swap(model, back)
+    return out
 
 
 def _is_dropout(module: nn.Module) -> bool:
@@ -314,11 +302,12 @@ PARTS_OFF = {"dropout": "stored", "attention": "stored", "gelu_bits": None, "lay
 
 
 def _transformers_owner(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside ``model`` (itself, or a peft model's base model), or None."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover
+    """The transformers model inside ``model`` (itself, or a peft model's base model), or None.
+    transformers is not imported: a model of it has loaded it."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
         return None
+    PreTrainedModel = modeling.PreTrainedModel  # noqa: N806
     owner = model
     if not isinstance(owner, PreTrainedModel) and callable(getattr(owner, "get_base_model", None)):
         owner = owner.get_base_model()

@@ -168,8 +168,8 @@ MUTANTS: list[Mutant] = [
             "tests/test_patching.py::test_exclude_regex_is_searched_anywhere_in_the_name")),
     # ------------------------------------------------------------------ Conv1D, lm_head
     Mutant("conv1d-restored-as-linear", LY,
-           "        if self.fan_in_fan_out:\n            with torch.device(\"meta\")",
-           "        if False:\n            with torch.device(\"meta\")",
+           "                conv = Conv1D(self.nf, self.nx)",
+           "                conv = nn.Linear(self.nx, self.nf)",
            "unpatch puts an nn.Linear holding the (in, out) weight in place of a Conv1D",
            ("tests/test_layers.py::test_extra_repr_shared_parameters_and_back[conv1d]",
             "tests/test_patching.py::test_gpt2_conv1d_layers_patched_lm_head_left_exact_and_tied")),
@@ -179,8 +179,20 @@ MUTANTS: list[Mutant] = [
            "the default patches a language model's lm_head (tied to the input embedding)",
            ("tests/test_patching.py::test_gpt2_conv1d_layers_patched_lm_head_left_exact_and_tied",
             "tests/test_architectures.py::test_architectures_quick")),
+    Mutant("lm-head-unpatched-by-resize", PA,
+           "    _swap(model, back)\n    return out",
+           "    return out",
+           "resize_token_embeddings leaves the plain nn.Linear transformers made in a patched "
+           "output layer's place",
+           ("tests/test_stacks.py::test_resize_token_embeddings_keeps_a_patched_output_layer_patched",)),
+    # ------------------------------------------------------------------ peft
+    Mutant("mask-hook-on-peft-wrapper", PA,
+           "    holder = model if owner is None else owner",
+           "    holder = model",
+           "the mask hook stays on a peft model: the model merge_and_unload returns reads a stale mask",
+           ("tests/test_peft.py::test_a_model_merged_after_patching_reads_its_own_padding",)),
     # ------------------------------------------------------------------ padding rows
-    Mutant("encoder-mask-on-decoder", PA,
+    Mutant("encoder-mask-on-decoder", LY,
            "                mask = None\n        context.set_mask(mask)",
            "                pass\n        context.set_mask(mask)",
            "an encoder-decoder's mask also skips decoder rows when both sequences are as long",
