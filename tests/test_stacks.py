@@ -5,10 +5,12 @@ existed; a patched model survives ``torch.save`` and ``save_pretrained``."""
 import io
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,3 +323,124 @@ def test_gradient_accumulation_trains_with_coded_rows():
     LOOPS["bits"][1](model)
     losses = _losses(model, _batch("roberta"), micro=3)
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded and replicated training: FSDP2, FSDP1, DDP, in two gloo processes
+#
+# A case is (stack, order, model, patch), run by ``tests/sharded_ranks.py`` (which see). ``fsdp1``
+# is FullyShardedDataParallel with ``use_orig_params=True`` (as accelerate makes it), ``fsdp1-flat``
+# with its default flat parameters (whose gradients cannot be gathered: its parameters are
+# compared). DDP before wrapping is shown by the tests above and ``test_pipeline.py``.
+
+SHARDED = ("stack", "order", "arch", "patch")
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(request, tmp_path_factory):
+    """The cases of the selected tests that use this fixture, run by one pair of gloo processes:
+    what rank 0 found, by case."""
+    cases = sorted({tuple(item.callspec.params[k] for k in SHARDED)
+                    for item in request.session.items if "sharded_runs" in item.fixturenames})
+    port, out = str(_free_port()), tmp_path_factory.mktemp("sharded") / "out.json"
+    script = str(Path(__file__).with_name("sharded_ranks.py"))
+    procs = [subprocess.Popen([sys.executable, script, str(rank), port, str(out), json.dumps(cases)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return dict(zip(cases, json.loads(out.read_text()), strict=True))
+
+
+@pytest.mark.parametrize(", ".join(SHARDED), [
+    pytest.param("fsdp2", "before", "roberta", "linear-exact", marks=pytest.mark.stack("fsdp2", "sketch")),
+    pytest.param("fsdp2", "before", "roberta", "compact-exact", marks=pytest.mark.stack("fsdp2", "compact")),
+    pytest.param("fsdp2", "before", "llama", "decoders", marks=pytest.mark.stack("fsdp2", "decoders")),
+    pytest.param("fsdp2", "after", "llama", "decoders", marks=pytest.mark.stack("fsdp2", "decoders")),
+    pytest.param("fsdp2", "after", "roberta", "compact-exact-stored-layernorm",
+                 marks=pytest.mark.stack("fsdp2", "compact")),
+    pytest.param("fsdp1", "before", "roberta", "linear-exact", marks=pytest.mark.stack("fsdp1", "sketch")),
+    pytest.param("fsdp1-flat", "before", "roberta", "linear-exact",
+                 marks=pytest.mark.stack("fsdp1", "sketch")),
+    pytest.param("fsdp1", "before", "roberta", "compact-exact", marks=pytest.mark.stack("fsdp1", "compact")),
+    pytest.param("fsdp1", "after", "llama", "decoders", marks=pytest.mark.stack("fsdp1", "decoders")),
+    pytest.param("ddp", "after", "roberta", "linear-exact", marks=pytest.mark.stack("ddp", "sketch")),
+    pytest.param("ddp", "after", "roberta", "compact-exact", marks=pytest.mark.stack("ddp", "compact")),
+    pytest.param("ddp", "after", "llama", "decoders", marks=pytest.mark.stack("ddp", "decoders")),
+])
+def test_sharded_exact_configurations_give_one_process_gradients(sharded_runs, stack, order, arch,
+                                                                   patch):
+    """Exact configurations (the exact sketch without codes, compact activations without the
+    stochastic GELU code, the decoder parts), patched before or after wrapping where that order
+    works: each step's gradients and the parameters after it are one process's on the global
+    batch (to float rounding), the same on both ranks, and the patch names the plain model's
+    modules (after DDP or FSDP1 it patches the model inside)."""
+    run = sharded_runs[(stack, order, arch, patch)]
+    assert run["refused"] is None
+    assert run["grads"] <= 1 and run["params"] <= 1, run
+    assert run["synced"] and run["changed"] and run["names"], run
+
+
+@pytest.mark.parametrize(", ".join(SHARDED), [
+    pytest.param("fsdp2", "before", "roberta", "sketch", marks=pytest.mark.stack("fsdp2", "sketch")),
+    pytest.param("fsdp2", "before", "roberta", "bits", marks=pytest.mark.stack("fsdp2", "bits")),
+    pytest.param("fsdp2", "before", "roberta", "compact", marks=pytest.mark.stack("fsdp2", "compact")),
+    pytest.param("fsdp2", "before", "llama", "sketch-bits-compact",
+                 marks=pytest.mark.stack("fsdp2", "sketch", "bits", "compact", "decoders")),
+    pytest.param("fsdp1-flat", "before", "roberta", "sketch-bits-compact",
+                 marks=pytest.mark.stack("fsdp1", "sketch", "bits", "compact")),
+    pytest.param("fsdp1", "before", "llama", "sketch-bits-compact",
+                 marks=pytest.mark.stack("fsdp1", "sketch", "bits", "compact", "decoders")),
+    pytest.param("ddp", "after", "roberta", "sketch-bits-compact",
+                 marks=pytest.mark.stack("ddp", "sketch", "bits", "compact")),
+    pytest.param("ddp", "after", "llama", "sketch-bits-compact",
+                 marks=pytest.mark.stack("ddp", "sketch", "bits", "compact", "decoders")),
+])
+def test_sharded_stochastic_configurations_train(sharded_runs, stack, order, arch, patch):
+    """A sketch, b-bit rows and the compact defaults (each rank draws its own bits): finite
+    losses, the parameters change and stay the same on both ranks."""
+    run = sharded_runs[(stack, order, arch, patch)]
+    assert run["refused"] is None
+    assert run["finite"] and run["changed"] and run["synced"] and run["names"], run
+
+
+@pytest.mark.parametrize(", ".join(SHARDED) + ", message", [
+    pytest.param("fsdp2", "after", "roberta", "sketch", "patch_linear must run before fully_shard",
+                 marks=pytest.mark.stack("fsdp2", "sketch", refused="must run before fully_shard")),
+    pytest.param("fsdp2", "after", "llama", "bits", "patch_linear must run before fully_shard",
+                 marks=pytest.mark.stack("fsdp2", "bits", refused="must run before fully_shard")),
+    pytest.param("fsdp2", "after", "roberta", "compact",
+                 "patch_activations must run before fully_shard.*layernorm='stored'",
+                 marks=pytest.mark.stack("fsdp2", "compact", refused="must run before fully_shard")),
+    pytest.param("fsdp2", "unpatch", "roberta", "sketch", "unpatch_linear must run before fully_shard",
+                 marks=pytest.mark.stack("fsdp2", "sketch", refused="must run before fully_shard")),
+    pytest.param("fsdp1", "after", "roberta", "sketch",
+                 "patch_linear must run before FullyShardedDataParallel",
+                 marks=pytest.mark.stack("fsdp1", "sketch",
+                                         refused="must run before FullyShardedDataParallel")),
+    pytest.param("fsdp1-flat", "after", "llama", "linear-exact",
+                 "patch_linear must run before FullyShardedDataParallel",
+                 marks=pytest.mark.stack("fsdp1", "sketch",
+                                         refused="must run before FullyShardedDataParallel")),
+    pytest.param("fsdp1-flat", "after", "roberta", "compact-exact",
+                 "patch_activations must run before FullyShardedDataParallel",
+                 marks=pytest.mark.stack("fsdp1", "compact",
+                                         refused="must run before FullyShardedDataParallel")),
+    pytest.param("fsdp1-flat", "unpatch", "roberta", "compact-exact",
+                 "unpatch_activations must run before FullyShardedDataParallel",
+                 marks=pytest.mark.stack("fsdp1", "compact",
+                                         refused="must run before FullyShardedDataParallel")),
+])
+def test_patching_a_sharded_model_refuses_before_changing_it(sharded_runs, stack, order, arch,
+                                                             patch, message):
+    """After ``fully_shard`` or ``FullyShardedDataParallel``, a call that would replace modules
+    holding parameters (the linear layers, ``layernorm="output"``, and the inverses) refuses,
+    naming the order to use, and leaves the model as it was: the wrapper would go on handing the
+    parameters to the old modules."""
+    run = sharded_runs[(stack, order, arch, patch)]
+    assert re.search(message, run["refused"] or ""), run
+    assert run["untouched"], run

@@ -40,6 +40,7 @@ from .quantize import DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
 from .tracking import select_layers
 from .variance import VarianceTracker, estimator_design
+from .wrappers import model_to_patch
 
 __all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "RMSNORM", "patch_linear",
            "unpatch_linear", "find_linear", "patch_activations", "unpatch_activations",
@@ -150,7 +151,7 @@ def patch_linear(
     Parameters) where transformers would put a plain ``nn.Linear`` in its place.
 
     Args:
-        model: any ``nn.Module``; patched in place.
+        model: any ``nn.Module``, patched in place (in DDP or FSDP1, the model inside).
         sketch: a name in :data:`~sketchprop.SKETCHES`.
         rho: compression rate in (0, 1], or a mapping ``{regex: rho}`` (first match wins) for a rate per
             layer; every selected layer must match a key.
@@ -189,9 +190,10 @@ def patch_linear(
             patterns that match no linear layer (the message names the types of the matched
             modules that hold weights of their own: a layer type it does not know), a
             ``track_variance`` that selects no replaced layer (or names one that is not replaced),
-            an unknown ``allocate``, or ``bits`` / ``group`` out of their range. Nothing is
-            changed when it raises.
+            an unknown ``allocate``, ``bits`` / ``group`` out of their range, or a sharded model
+            (patch, then shard: :mod:`sketchprop.wrappers`). Nothing is changed when it raises.
     """
+    model = model_to_patch(model, "patch_linear", (nn.Linear, conv1d_class()))
     sketch_obj = get_sketch(sketch)
     bits, group = check_bits(bits), check_group(group)
     if getattr(model, _HOOKS, None) is not None:
@@ -242,6 +244,7 @@ def patch_linear(
 def unpatch_linear(model: nn.Module) -> list[str]:
     """Put the original layers (``nn.Linear`` or ``Conv1D``, same Parameters) back in place of
     every :class:`RandomizedLinear` and remove the hooks ``patch_linear`` added. Returns the names."""
+    model = model_to_patch(model, "unpatch_linear", (RandomizedLinear,))
     names = _select(model, lambda m: isinstance(m, RandomizedLinear), None, None)
     _swap(model, {name: model.get_submodule(name).to_linear() for name in names})
     for module in model.modules():  # the model, or the peft base model that holds the hooks
@@ -361,8 +364,8 @@ def patch_activations(
     with peft adapters.
 
     Args:
-        model: any ``nn.Module``; attention and the loss need a transformers model (or a peft
-            model around one).
+        model: any ``nn.Module`` (in DDP or FSDP1, the model inside); attention and the loss
+            need a transformers model (or a peft model around one).
         dropout: ``"seeded"`` (:class:`~sketchprop.activations.SeededDropout` in place of each
             ``nn.Dropout``: the mask is made again from a saved seed), ``"packed"`` (the mask is
             kept at one bit per element) or ``"stored"`` (left as it is). Exact.
@@ -411,7 +414,8 @@ def patch_activations(
     Raises:
         ValueError: an unknown value; every part off; a model already patched; an option given
             explicitly whose part the model lacks (or the patterns do not match); patterns that
-            match no module of any part; nothing to apply. Nothing is changed when it raises.
+            match no module of any part; nothing to apply; ``layernorm="output"`` on a sharded
+            model (:mod:`sketchprop.wrappers`). Nothing is changed when it raises.
     """
     options = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
                "gelu_code": gelu_code, "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm,
@@ -427,6 +431,8 @@ def patch_activations(
             raise ValueError(f"unknown {name} {value!r}; choose one of {list(allowed)}")
     if gelu_bits is not None:
         act.CompactGELU(gelu_bits, gelu_code)  # raises for bad bits or code
+    model = model_to_patch(model, "patch_activations", (nn.LayerNorm,) * (layernorm == "output"),
+                           ", or pass layernorm='stored'")
     values = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
               "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm, "lm_loss": lm_loss}
     if all(values[k] == off for k, off in PARTS_OFF.items()):
@@ -561,6 +567,7 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     """Undo :func:`patch_activations`: the original dropout and GELU modules back in place, the
     modules' own forwards back, the previous attention function back on. Returns the names
     :func:`patch_activations` returned."""
+    model = model_to_patch(model, "unpatch_activations", (act.OutputLayerNorm,))
     state = getattr(model, _ACTIVATIONS, None)
     if state is None:
         return []

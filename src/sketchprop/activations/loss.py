@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..wrappers import plain_class
 from .projections import _autocast_dtype
 
 #: Logits per chunk of :func:`chunked_lm_loss` by default (64 MiB in float32): chunks of a few
@@ -145,15 +146,16 @@ def lm_loss_refusal(owner: nn.Module) -> str | None:
 
     names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
              for n in ((v,) if isinstance(v, str) else v)}
-    if type(owner).__name__ not in names:
-        return f"{type(owner).__name__} is not a transformers causal LM"
+    name = plain_class(owner).__name__  # LlamaForCausalLM for fully_shard's FSDPLlamaForCausalLM
+    if name not in names:
+        return f"{name} is not a transformers causal LM"
     # transformers' own rule (PreTrainedModel.loss_function), without its warning.
     loss = owner.__dict__.get("_loss_function") or LOSS_MAPPING.get(
         getattr(owner, "loss_type", None), LOSS_MAPPING["ForCausalLM"])
     if loss is not LOSS_MAPPING["ForCausalLM"]:
-        return f"{type(owner).__name__}'s loss is not transformers' ForCausalLM loss"
+        return f"{name}'s loss is not transformers' ForCausalLM loss"
     if "labels" not in inspect.signature(type(owner).forward).parameters:
-        return f"{type(owner).__name__}.forward takes no labels"
+        return f"{name}.forward takes no labels"
     head = owner.get_output_embeddings() if hasattr(owner, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return f"its output layer is {type(head).__name__}, not an nn.Linear"

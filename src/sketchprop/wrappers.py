@@ -1,0 +1,96 @@
+"""Models inside distributed wrappers: which orders of patching and wrapping work, the model a
+patch call changes, and a clear refusal where an order cannot work.
+
+- DDP (``DistributedDataParallel``) hooks the Parameters themselves, which a patch reuses: patching
+  works before or after wrapping. After, the patch calls change the model inside (``ddp.module``),
+  so names, patterns and inverses are those of the plain model.
+- FSDP2 (``fully_shard``) records, for each parameter, the module that holds it, and puts the
+  sharded or the gathered parameter on that module around each forward and backward. A module
+  swapped in afterwards is not among them: it would keep the sharded DTensors and fail in DTensor
+  code at its first forward. FSDP1 (``FullyShardedDataParallel``) keeps the parameters in flat
+  parameters and hands their views to the modules it recorded, with the same result. So on a
+  sharded model a call that would replace modules holding parameters (``patch_linear``,
+  ``patch_activations`` with ``layernorm="output"``, and their inverses) refuses before changing
+  anything; the rest of ``patch_activations`` (dropout, GELU, the gated MLP, RMSNorm, the loss,
+  attention) replaces no parameters and works on a sharded model too.
+
+torch.distributed is never imported here: a model wrapped by one of them has imported it, so the
+classes are looked up among the loaded modules (an absent one wraps nothing).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+__all__ = ["model_to_patch", "plain_class"]
+
+
+def _loaded(module: str, name: str) -> type | None:
+    return getattr(sys.modules.get(module), name, None)
+
+
+def _fsdp2_class() -> type | None:
+    return _loaded("torch.distributed.fsdp", "FSDPModule")
+
+
+def plain_class(module: nn.Module) -> type:
+    """The class of ``module``, or for a module ``fully_shard`` was applied to, the class its
+    ``FSDP<Name>`` class was made from."""
+    cls, fsdp = type(module), _fsdp2_class()
+    if fsdp is not None and issubclass(cls, fsdp):
+        return next(base for base in cls.__mro__ if not issubclass(base, fsdp))
+    return cls
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The model inside DDP and FSDP1 root wrappers (their ``module``), or ``model`` itself."""
+    wrappers = tuple(filter(None, (
+        _loaded("torch.nn.parallel.distributed", "DistributedDataParallel"),
+        _loaded("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"))))
+    while wrappers and isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def _sharded_by(module: nn.Module) -> str | None:
+    """The wrapper that manages ``module``'s parameters: ``"fully_shard"`` (FSDP2),
+    ``"FullyShardedDataParallel"`` (FSDP1), or None."""
+    fsdp2, dtensor = _fsdp2_class(), _loaded("torch.distributed.tensor", "DTensor")
+    if (fsdp2 is not None and isinstance(module, fsdp2)) or (
+            dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())):
+        return "fully_shard"
+    if getattr(module, "_is_fsdp_managed_module", False):  # FSDP1 marks the modules it wraps
+        return "FullyShardedDataParallel"
+    return None
+
+
+def model_to_patch(model: nn.Module, call: str, replaces: tuple[type | None, ...] = (),
+                   also: str = "") -> nn.Module:
+    """The model the patch function ``call`` (its name) changes: ``model``, or the model inside a
+    DDP or FSDP1 wrapper.
+
+    Raises:
+        ValueError: the model holds modules of a ``replaces`` type (those ``call`` would replace:
+            modules with parameters) whose parameters ``fully_shard`` or
+            ``FullyShardedDataParallel`` manage. The message names the order to use; ``also`` (a
+            clause) adds another way out.
+    """
+    model = _inner(model)
+    replaces = tuple(filter(None, replaces))
+    sharded: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        by = _sharded_by(module) if replaces and isinstance(module, replaces) else None
+        if by is not None:
+            sharded.setdefault(by, []).append(name or type(module).__name__)
+    if sharded:
+        by, names = next(iter(sharded.items()))
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        order = (f"unpatch before {by}, or unpatch a model that is not sharded (one the trained "
+                 "state_dict loads into: its keys are the plain model's)" if call.startswith("un")
+                 else f"call {call}(model, ...) then {by}(...)")
+        raise ValueError(
+            f"{call} must run before {by}: the modules it would replace ({shown}) hold parameters "
+            f"{by} manages, and {by} would go on handing them to the old modules; {order}{also}")
+    return model
