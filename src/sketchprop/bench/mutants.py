@@ -191,6 +191,20 @@ MUTANTS: list[Mutant] = [
            "    holder = model",
            "the mask hook stays on a peft model: the model merge_and_unload returns reads a stale mask",
            ("tests/test_peft.py::test_a_model_merged_after_patching_reads_its_own_padding",)),
+    # ------------------------------------------------------------------ distributed wrappers
+    Mutant("dtensor-parameters-unseen", "src/sketchprop/wrappers.py",
+           "any(isinstance(p, dtensor) for p in module.parameters())",
+           "False",
+           "a module whose parameters fully_shard sharded (not itself an FSDP module) is swapped: "
+           "it keeps the sharded DTensors and fails in DTensor code",
+           ("tests/test_stacks.py::test_patching_a_sharded_model_refuses_before_changing_it",),
+           k="fsdp2"),
+    Mutant("ddp-wrapper-patched", "src/sketchprop/wrappers.py",
+           "        model = model.module\n",
+           "        break\n",
+           "a DDP wrapper is patched itself: names gain 'module.', the transformers parts are left",
+           ("tests/test_stacks.py::test_sharded_exact_configurations_give_one_process_gradients",),
+           k="ddp"),
     # ------------------------------------------------------------------ padding rows
     Mutant("encoder-mask-on-decoder", LY,
            "                mask = None\n        context.set_mask(mask)",
