@@ -8,7 +8,8 @@ patch call changes, and a clear refusal where an order cannot work.
   sharded or the gathered parameter on that module around each forward and backward. A module
   swapped in afterwards is not among them: it would keep the sharded DTensors and fail in DTensor
   code at its first forward. FSDP1 (``FullyShardedDataParallel``) keeps the parameters in flat
-  parameters and hands their views to the modules it recorded, with the same result. So on a
+  parameters and hands views of them to the modules it recorded: a module swapped in afterwards
+  holds stale views (or cannot take them: they are not Parameters) and fails too. So on a
   sharded model a call that would replace modules holding parameters (``patch_linear``,
   ``patch_activations`` with ``layernorm="output"``, and their inverses) refuses before changing
   anything; the rest of ``patch_activations`` (dropout, GELU, the gated MLP, RMSNorm, the loss,
