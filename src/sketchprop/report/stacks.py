@@ -7,9 +7,10 @@ A test that shows a patch working in a stack carries the marker
 
 (``refused=``: the test asserts that the patch call refuses, with a message matching those words).
 :func:`stacks_table` reads the markers from the tests' source with ``ast`` (no test is imported or
-run) and returns one row per stack, one column per patch: the tests that show it, the refusal, or
-"not tested" (no test shows it: not supported, though it may work). An unknown stack or patch name
-raises, so a misspelt marker cannot drop a row. ``make tables`` puts the table between
+run) and returns one row per stack, one column per patch: the tests that show it, the refusal (both
+where one order works and another is refused), or "not tested" (no test shows it: not supported,
+though it may work). An unknown stack or patch name raises, so a misspelt marker cannot drop a
+row. ``make tables`` puts the table between
 ``<!-- BEGIN stacks -->`` and ``<!-- END stacks -->``.
 """
 
@@ -100,14 +101,15 @@ def stacks_table(tests: Path) -> str:
             refused[stack, patch] = (refusal, test)
 
     def cell(stack: str, patch: str) -> str:
+        parts = []
         if (stack, patch) in shown:
             names = sorted(set(shown[stack, patch]))
             more = f" (+{len(names) - SHOWN})" if len(names) > SHOWN else ""
-            return "tested: " + ", ".join(f"`{n}`" for n in names[:SHOWN]) + more
-        if (stack, patch) in refused:
+            parts.append("tested: " + ", ".join(f"`{n}`" for n in names[:SHOWN]) + more)
+        if (stack, patch) in refused:  # an order or option that cannot work, beside one that does
             refusal, test = refused[stack, patch]
-            return f"refused: \"{refusal}\" (`{test}`)"
-        return "not tested"
+            parts.append(f"refused: \"{refusal}\" (`{test}`)")
+        return "; ".join(parts) or "not tested"
 
     lines = ["| stack | " + " | ".join(PATCHES.values()) + " |",
              "|---|" + "---|" * len(PATCHES)]
