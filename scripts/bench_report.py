@@ -15,7 +15,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=readme.__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dir", default=str(RESULTS))
-    readme.fill(Path(p.parse_args(argv).dir))
+    folder = Path(p.parse_args(argv).dir)
+    if not (folder / "README.md").is_file():
+        p.error(f"{folder}: no README.md with generated blocks to fill")
+    readme.fill(folder)
 
 
 if __name__ == "__main__":

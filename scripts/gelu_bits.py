@@ -8,7 +8,7 @@
 import argparse
 
 from sketchprop.bench import gelu_bits
-from sketchprop.bench.common import add_threads_arg
+from sketchprop.bench.common import BadArgs, add_threads_arg
 from sketchprop.glue.data import SHIPPED_GLUE_DIR
 
 
@@ -26,7 +26,10 @@ def main(argv=None) -> None:
     add_threads_arg(p)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out-dir", default=None)
-    gelu_bits.run(p.parse_args(argv))
+    try:
+        gelu_bits.run(p.parse_args(argv))
+    except BadArgs as err:
+        p.error(str(err))
 
 
 if __name__ == "__main__":

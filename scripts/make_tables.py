@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-experiment", default="minilm_cpu")
     args = parser.parse_args(argv)
     results = Path(args.results)
+    if not (results / "runs").is_dir():
+        parser.error(f"{results}: no runs/ folder of run files to build the tables from")
     for path in build(results, args.cpu_experiment):
         print(path.relative_to(results.parent) if path.is_relative_to(results.parent) else path)
 

@@ -26,12 +26,16 @@ SUFFIXES = (".json", ".md", ".csv")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="*", type=Path, default=[ROOT / "results", ROOT / "docs"],
-                        help="folders to migrate (default: results/ and docs/); runs under <folder>/runs")
+                        help="folders to migrate (default: results/ and docs/); run files are those "
+                             "under <folder>/runs, or the folder itself when it is a runs/ folder")
     parser.add_argument("--check", action="store_true", help="list the changes, make none")
     args = parser.parse_args(argv)
+    missing = [str(f) for f in args.folders if not f.is_dir()]
+    if missing:
+        parser.error(f"no such folder: {', '.join(missing)}")
     moved = changed = 0
-    for folder in [f for f in args.folders if f.is_dir()]:
-        runs_dir = folder / "runs"
+    for folder in args.folders:
+        runs_dir = folder if folder.name == "runs" else folder / "runs"  # results/ or results/runs
         for path in sorted(runs_dir.rglob("*.json")) if runs_dir.is_dir() else []:
             try:
                 target = migrate.add_identity(path, dry_run=args.check)

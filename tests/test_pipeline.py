@@ -3,10 +3,12 @@ result JSON contract, metrics, sweep skip, resume, NaN stop, fast failures, DDP 
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -92,14 +94,17 @@ def filed(root, pattern):
 
 
 def absolute_paths(value) -> list[str]:
-    """Every word of every string in ``value`` (a result, walked) that is an absolute path, also
-    as the value of ``key=value``."""
+    """Every word of every string in ``value`` (a result, walked) that is an absolute path inside
+    the repository, also as the value of ``key=value``."""
+    from sketchprop.glue.config import REPO_ROOT
+
     if isinstance(value, dict):
         return [p for v in value.values() for p in absolute_paths(v)]
     if isinstance(value, list):
         return [p for v in value for p in absolute_paths(v)]
     if isinstance(value, str):
-        return [w for w in value.replace("=", " ").split() if os.path.isabs(w)]
+        return [w for w in value.replace("=", " ").split()
+                if os.path.isabs(w) and Path(w).is_relative_to(REPO_ROOT)]
     return []
 
 
@@ -261,20 +266,25 @@ def test_cli_run_then_sweep_skips_finished_runs(tmp_path, glue_dir):
 
 
 def test_result_names_no_folder_of_the_machine(tmp_path, glue_dir):
-    """A result records every path relative to the repository (the tests' folders lie outside it)
-    and the interpreter as `python` (outside it too), so that no result file names the folders of
-    the machine that made it; the identity comes out the same from the recorded config."""
+    """A result records every path inside the repository relative to it (the interpreter, a
+    results folder given as an absolute path inside it), folders outside it as given (the tests'
+    data), and an interpreter outside it as `python`; the identity comes out the same from the
+    recorded config."""
     from sketchprop.glue import migrate
     from sketchprop.glue.config import REPO_ROOT
 
-    result = run(compose(overrides(tmp_path, glue_dir, "train.max_steps=2")),
-                 output_dir=tmp_path / "run")
+    inside = REPO_ROOT / "outputs" / "test-portable" / tmp_path.name  # removed at the end
+    try:
+        result = run(compose(overrides(tmp_path, glue_dir, "train.max_steps=2",
+                                       f"scratch_results_dir={inside}")),
+                     output_dir=tmp_path / "run")
+    finally:
+        shutil.rmtree(inside, ignore_errors=True)
     assert not absolute_paths(result), absolute_paths(result)
     config = result["config"]
-    assert config["data"]["glue_dir"] == os.path.relpath(glue_dir, REPO_ROOT)
-    for key, folder in [("results_dir", "results"), ("checkpoints_dir", "ckpt")]:
-        assert (REPO_ROOT / config[key]).resolve() == (tmp_path / folder).resolve()
-    assert result["run_dir"] == paths.portable((tmp_path / "run").resolve())
+    assert config["data"]["glue_dir"] == str(glue_dir)  # outside the repository: as given
+    assert config["scratch_results_dir"] == f"outputs/test-portable/{tmp_path.name}"
+    assert result["run_dir"] == str((tmp_path / "run").resolve())
     assert result["command"].split()[0] in ("python", paths.portable(sys.executable))
     assert migrate.recorded_identity(result) == result["identity"]
 

@@ -123,7 +123,7 @@ def environment(dev: torch.device) -> dict:
     """What a run records about where it ran: its command (as a user pastes it in a fresh clone),
     the device and CPU, threads, versions, commit, load average and time."""
     env = {
-        "command": portable_command(sys.orig_argv),
+        "command": portable_command(["python", *sys.orig_argv[1:]]),  # as the filed runs say it
         "device": str(dev),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -344,6 +344,8 @@ def run(args) -> None:
     if bad:
         raise BadArgs(f"unknown task(s) {bad}; choose from {list(TASKS)}")
     args.rhos = parse_list(args.rhos, float)
+    if not args.rhos or not all(0 < r <= 1 for r in args.rhos):
+        raise BadArgs(f"--rhos must be rates in (0, 1], got {args.rhos}")
     args.groups = parse_list(args.groups, int)
     args.combo = parse_list(args.combo)
     bad = [s for s in args.combo if s not in SKETCH_NAMES]

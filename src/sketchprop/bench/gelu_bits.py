@@ -37,7 +37,7 @@ from sketchprop import activations as act
 from sketchprop import patch_activations
 
 from . import importance_variance as iv
-from .common import environment, fmt_table, parse_list, setup_device, write_outputs
+from .common import BadArgs, environment, fmt_table, parse_list, setup_device, write_outputs
 from .models import build_model, minilm_path
 
 # The GELU codes compared (sketchprop.activations.GeluCode).
@@ -242,10 +242,13 @@ def tables(payload: dict) -> str:
 
 def run(args) -> None:
     """The study as ``scripts/gelu_bits.py`` runs it (its options in ``args``): write
-    ``gelu_bits[_quick].{json,md}`` and print the tables."""
+    ``gelu_bits[_quick].{json,md}`` and print the tables. Bad options raise :class:`BadArgs`
+    before any work."""
+    args.bit_list = parse_list(args.bits, int)
+    if not args.bit_list or not all(1 <= b <= 8 for b in args.bit_list):
+        raise BadArgs(f"--bits must be integers in 1..8, got {args.bits}")
     if args.quick:
         args.steps, args.batches, args.draws, args.batch = 3, 2, 4, 8
-    args.bit_list = parse_list(args.bits, int)
     dev = setup_device("cpu", args.threads)
     env = environment(dev)
     print(env, flush=True)

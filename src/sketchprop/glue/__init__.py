@@ -7,4 +7,7 @@
     model    the model a run trains, its adapter and its patches
     runs     what identifies a run, where its files go, resuming, sweep summaries
     train    one training run and the Hydra entry (``python -m sketchprop.train``)
+    paths    the repository root; paths and commands as records write them (no hydra: the
+             benchmarks use it too)
+    migrate  bringing committed result files up to date (``scripts/migrate_runs.py``)
 """

@@ -14,14 +14,15 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def portable(path: str | os.PathLike) -> str:
-    """``path`` as a result file or a made-by line records it, so that no record names the
-    folders of the machine that made it: an absolute path relative to the repository root
-    (``data/glue``, ``results/runs/...``, ``.venv/bin/python``; ``../glue`` for a
-    folder beside the checkout), anything else as given (a hub id stays an id). Symlinks are not
+    """``path`` as a result file or a made-by line records it: an absolute path inside the
+    repository relative to its root (``data/glue``, ``results/runs/...``, ``.venv/bin/python``),
+    so that no record names the checkout's folder and a command pastes into any clone; anything
+    else as given (a folder the user chose outside the repository, a hub id). Symlinks are not
     followed: ``.venv/bin/python`` stays inside."""
     if not os.path.isabs(path):
         return str(path)
-    return os.path.relpath(os.path.abspath(path), REPO_ROOT)
+    absolute = Path(os.path.abspath(path))
+    return str(absolute.relative_to(REPO_ROOT)) if absolute.is_relative_to(REPO_ROOT) else str(path)
 
 
 def portable_overrides(overrides: list[str]) -> list[str]:
@@ -38,7 +39,7 @@ def portable_command(argv: list[str]) -> str:
     for i, arg in enumerate(argv):
         key, eq, value = arg.partition("=") if "=" in arg else ("", "", arg)
         value = portable(value)
-        if i == 0 and value.startswith("..") and Path(value).name.startswith("python"):
+        if i == 0 and os.path.isabs(value) and Path(value).name.startswith("python"):
             value = "python"
         out.append(f"{key}{eq}{value}")
     return shlex.join(out)

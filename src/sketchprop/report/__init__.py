@@ -20,6 +20,8 @@ One module per table or figure, each writing its own files:
 - :mod:`~sketchprop.report.figure6`: ``figures/figure6_throughput.png``;
 - :mod:`~sketchprop.report.budget`: the pick-by-budget table (``scripts/pick_budget.py``);
 - :mod:`~sketchprop.report.summary`: the README's short frontier table (the rows on a front);
+- :mod:`~sketchprop.report.stacks`: the training-stacks table of ``docs/training-stacks.md``,
+  read off the tests' stack markers;
 - :mod:`~sketchprop.report.embed`: the tables the README and docs pages embed;
 - :mod:`~sketchprop.report.build`: all of the above but Figure 4 and the budget (``make tables``).
 
