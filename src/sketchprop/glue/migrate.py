@@ -6,18 +6,18 @@ identity that :func:`sketchprop.glue.runs.identity` computes from its recorded c
 name a run of that config files today.
 
 **Portable paths** (:func:`portable_file`): the committed files were made on machines where every
-checkout of this repository lay at ``/work/<name>`` beside the shared folder ``/work/shared``, and
-they named those folders. The rule that removes them:
+checkout of this repository lay at ``/work/<name>`` beside a common data folder ``/work/shared``,
+and they named those folders. The rule that removes them:
 
 - a path inside a checkout, ``/work/<checkout>/<rest>``, becomes ``<rest>``: relative to the
   checkout it lay in, as :func:`~sketchprop.glue.paths.portable` records paths today
   (``.venv/bin/python``, ``results``, ``outputs/runs/...``, ``data/glue``);
-- the shared GLUE folder, ``/work/shared/data/glue``, becomes ``data/glue``: for every task the
+- the common GLUE folder, ``/work/shared/data/glue``, becomes ``data/glue``: for every task the
   repository ships, its files were byte-identical to ``data/glue``'s (compared when the files were
   migrated; its one extra file, QNLI's dev set, is not shipped, and no file naming the folder read
   it). For a run file this is also checked: the sha256 in its identity must be the shipped copy's;
-- any other path in the shared folder, ``/work/shared/<rest>``, becomes ``../shared/<rest>`` (none
-  is left in the committed files);
+- any other path in the common data folder has no portable form: the migration stops, naming it
+  (the committed files hold none);
 - a run's model folder from a PyPI package (``.../site-packages/<pkg>/...``) becomes the reference
   the model config holds, ``${sp.package_model:<pkg>}``.
 
@@ -40,10 +40,10 @@ from . import data as glue
 from . import runs
 from .config import REPO_ROOT
 
-#: Where the committed files were made: the folder holding the checkouts, and the shared folder in it.
+#: Where the committed files were made: the folder holding the checkouts, and the common data folder in it.
 MACHINE = "/work"
 SHARED = "shared"
-SHARED_GLUE = "/data/glue"  # in the shared folder: the same files as data/glue (module docstring)
+SHARED_GLUE = "/data/glue"  # in the common folder: the same files as data/glue (module docstring)
 
 # A path that starts there (not the middle of a URL or a longer path).
 _PATH = re.compile(r"(?<![\w./:-])" + re.escape(MACHINE) + r"/([^/\s\"'`,;:)]+)(/[^\s\"'`,;)]*)?")
@@ -57,7 +57,8 @@ def portable_text(text: str) -> str:
         if name == SHARED:
             if rest == SHARED_GLUE or rest.startswith(SHARED_GLUE + "/"):
                 return "data/glue" + rest.removeprefix(SHARED_GLUE)
-            return f"../{SHARED}{rest}"
+            raise ValueError(f"{m.group(0)}: no portable form for a path in {MACHINE}/{SHARED} "
+                             "other than its GLUE folder")
         return rest.lstrip("/") or "."
 
     return _PATH.sub(repl, text)
