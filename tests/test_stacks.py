@@ -95,9 +95,9 @@ def _tiny(arch: str, **config):
         eos_token_id=2, **config))
 
 
-def _batch(arch: str) -> dict:
+def _batch(arch: str, length: int = 12) -> dict:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 64, (3, 12), generator=g)
+    ids = torch.randint(3, 64, (3, length), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
     mask[2, 6:] = 0
@@ -167,6 +167,71 @@ def test_save_pretrained_keeps_keys_and_patching_again_restores(tmp_path, arch):
     batch = _batch(arch)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+DROPOUT = {"roberta": {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
+           "llama": {"attention_dropout": 0.1}, "gpt2": {}}  # GPT-2's dropouts are on already
+
+
+COMPILE_PATCHES = {**PATCHES, "compact, LM loss stored": lambda m: patch_activations(m, lm_loss="stored")}
+# The chunked LM loss runs the whole training forward eagerly (sketchprop.activations.loss): the
+# decoders are also compiled with their own loss, so that their compact parts meet a graph.
+COMPILE_CASES = [("roberta", p) for p in sorted(PATCHES)] + [
+    (arch, p) for arch in ("llama", "gpt2") for p in ("sketch", "sketch + compact",
+                                                      "compact, LM loss stored")]
+
+
+def _compiled_against_eager(arch: str, patch: str, backend: str, patch_after: bool = False,
+                            **tolerance) -> None:
+    """Two identical patched models with dropout on, one under ``torch.compile(backend=...)``
+    (patched before compiling, or with ``patch_after`` through the compiled wrapper): four steps
+    on two batch shapes give each step the same gradients in both (the same bits in the same
+    order); the last two steps, on shapes already seen but with new seeds and call counts, must
+    not recompile."""
+    torch._dynamo.reset()
+    eager, model = _tiny(arch, **DROPOUT[arch]).train(), _tiny(arch, **DROPOUT[arch]).train()
+    names = COMPILE_PATCHES[patch](eager)
+    if patch_after:
+        compiled = torch.compile(model, backend=backend)
+        assert COMPILE_PATCHES[patch](compiled) == names  # the plain model's names: its streams
+    else:
+        COMPILE_PATCHES[patch](model)
+        compiled = torch.compile(model, backend=backend)
+    for step, length in enumerate([12, 16, 12, 16]):
+        batch = _batch(arch, length)
+        with torch._dynamo.config.patch(error_on_recompile=step >= 2):
+            grads = [_grads(m, batch) for m in (eager, compiled)]
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(b, a, **tolerance)
+
+
+@pytest.mark.stack("compile", "sketch", "bits", "compact", "decoders")
+@pytest.mark.parametrize("arch, patch", COMPILE_CASES)
+def test_compiled_model_has_eager_gradients_and_no_recompiles(arch, patch):
+    """``torch.compile(model)`` of a patched model, traced by Dynamo and AOTAutograd (the
+    ``aot_eager`` backend: where the crashes, guards and recompiles of tracing arise) has the eager
+    model's gradients at every step and recompiles for no new seed (sketchprop.compiling)."""
+    _compiled_against_eager(arch, patch, "aot_eager")
+
+
+@pytest.mark.stack("compile", "sketch", "bits", "compact")
+def test_patching_through_the_compiled_wrapper_patches_the_model_inside():
+    """``patch_linear`` and ``patch_activations`` called on ``torch.compile``'s wrapper change the
+    model inside, under its own names (so with its random streams), and the compiled model then
+    has the eager patched model's gradients."""
+    _compiled_against_eager("roberta", "sketch + compact", "aot_eager", patch_after=True)
+
+
+@pytest.mark.compile
+@pytest.mark.stack("compile", "sketch", "bits", "compact")
+def test_inductor_compiled_model_has_eager_gradients():
+    """The same under inductor, the default backend, with a sketch, 4-bit rows and the compact
+    parts: inductor's own kernels between the eager parts reassociate float sums, nothing more
+    (the b-bit codes are the eager ones: no bias from folded bfloat16 round trips)."""
+    _compiled_against_eager("roberta", "sketch + compact", "inductor", rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compiling import eager_island
 from .quantize import dequantize
 from .sketches import ImportancePlan, Sketch
 
@@ -108,6 +109,7 @@ def seed_tensor(seed) -> Tensor:
     return torch.tensor(int(seed), dtype=torch.int64)
 
 
+@eager_island
 def sketched_linear(
     x: Tensor,
     weight: Tensor,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .compiling import eager_island
 from .functional import SketchedLinearFunction, seed_tensor
 from .quantize import DEFAULT_GROUP, QuantSpec, check_bits, check_group, quantize
 from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
@@ -258,6 +259,7 @@ class MaskHook:
         except TypeError:
             return kwargs
 
+    @eager_island
     def __call__(self, module, args, kwargs):
         context = getattr(module, CONTEXT_ATTRIBUTE, None)
         if context is None:
@@ -355,6 +357,7 @@ class _Sketched:
         self.calls += 1
         return int(torch.randint(0, 2**62, (), generator=self._gen))
 
+    @eager_island
     def forward(self, x: Tensor) -> Tensor:
         # (out, in) as F.linear wants it; for a Conv1D weight a transposed view, through which the
         # gradient reaches the (in, out) Parameter.

@@ -1,9 +1,11 @@
-"""Models inside distributed wrappers: which orders of patching and wrapping work, the model a
-patch call changes, and a clear refusal where an order cannot work.
+"""Models inside wrappers (distributed ones, ``torch.compile``'s): which orders of patching and
+wrapping work, the model a patch call changes, and a clear refusal where an order cannot work.
 
 - DDP (``DistributedDataParallel``) hooks the Parameters themselves, which a patch reuses: patching
   works before or after wrapping. After, the patch calls change the model inside (``ddp.module``),
-  so names, patterns and inverses are those of the plain model.
+  so names, patterns and inverses are those of the plain model. The same for ``torch.compile``'s
+  wrapper (its ``_orig_mod``): the layers' names, and so their random streams, are the plain
+  model's.
 - FSDP2 (``fully_shard``) records, for each parameter, the module that holds it, and puts the
   sharded or the gathered parameter on that module around each forward and backward. A module
   swapped in afterwards is not among them: it would keep the sharded DTensors and fail in DTensor
@@ -46,13 +48,19 @@ def plain_class(module: nn.Module) -> type:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """The model inside DDP and FSDP1 root wrappers (their ``module``), or ``model`` itself."""
+    """The model inside DDP and FSDP1 root wrappers (their ``module``) and ``torch.compile``'s
+    (its ``_orig_mod``), or ``model`` itself."""
     wrappers = tuple(filter(None, (
         _loaded("torch.nn.parallel.distributed", "DistributedDataParallel"),
         _loaded("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"))))
-    while wrappers and isinstance(model, wrappers):
-        model = model.module
-    return model
+    compiled = _loaded("torch._dynamo.eval_frame", "OptimizedModule")
+    while True:
+        if wrappers and isinstance(model, wrappers):
+            model = model.module
+        elif compiled is not None and isinstance(model, compiled):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _sharded_by(module: nn.Module) -> str | None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..compiling import eager_island
 from ..functional import seed_tensor
 from .projections import _linear_weights, forward_hooks_on
 from .seeds import _draw_seed, _drop_threshold, keep_mask
@@ -173,6 +174,7 @@ def _inputs() -> dict[int, list]:
     return inputs
 
 
+@eager_island
 def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
     copy), for this call and thread only, for :func:`recompute_attention` to save in place of
@@ -182,6 +184,7 @@ def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _inputs().setdefault(id(module), []).append(x if own else None)
 
 
+@eager_island
 def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     """Forward hook (also on an exception): forget what :func:`keep_attention_input` kept."""
     inputs = _inputs()
@@ -236,6 +239,7 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
     return x, tuple(pairs)
 
 
+@eager_island
 def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                         attention_mask: Tensor | None, scaling: float | None = None,
                         dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:

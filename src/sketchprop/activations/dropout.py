@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..compiling import eager_island
 from .packing import pack_codes, unpack_codes
 from .seeds import _draw_seed, _drop_threshold, keep_mask
 
@@ -62,6 +63,7 @@ class SeededDropout(nn.Dropout):
         new.train(dropout.training)
         return new
 
+    @eager_island
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..compiling import eager_island
 from ..layers import _stable_seed, process_rank
 from .packing import pack_codes, unpack_codes
 from .seeds import _draw_seed, _random_int16
@@ -200,6 +201,7 @@ class CompactGELU(nn.Module):
             self._gen_rank = rank
         return int(torch.randint(0, 2**62, (), generator=self._gen))
 
+    @eager_island
     def forward(self, x: Tensor) -> Tensor:
         form = self.approximate
         if not (self.training and torch.is_grad_enabled() and x.requires_grad):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..compiling import eager_island
 from ..wrappers import plain_class
 from .projections import _autocast_dtype
 
@@ -191,6 +192,12 @@ class LMLossForward:
         if labels is None or not (owner.training and torch.is_grad_enabled()) \
                 or kwargs.get("return_dict") is False or type(head) is not nn.Linear:
             return original(*args, labels=labels, **kwargs)
+        return self._chunked(original, head, labels, *args, **kwargs)
+
+    # Eager under torch.compile: it swaps the output layer's forward for the call (a graph cannot
+    # trace that), so a compiled model's training forward with labels runs eagerly here.
+    @eager_island
+    def _chunked(self, original, head: nn.Linear, labels: Tensor, *args, **kwargs):
         seen = {}
 
         def capture(x):

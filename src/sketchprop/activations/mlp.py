@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..compiling import eager_island
 from .projections import _autocast_dtype, _linear_weights, forward_hooks_on
 
 
@@ -220,6 +221,7 @@ def forget_mlp_check(module: nn.Module) -> None:
     module.__dict__.pop(_INPUT_CHECKED, None)
 
 
+@eager_island
 def gated_mlp_input_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward of ``mlp="input"``: the gated MLP keeps its input only, and backward computes
     the gate and up projections again (two more matmuls of the MLP's width per token); where they
@@ -243,6 +245,7 @@ def _gated_rest(self: nn.Module, g: Tensor, u: Tensor) -> Tensor:
     return down(SiluProduct.apply(g, u))
 
 
+@eager_island
 def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward :func:`~sketchprop.patch_activations` gives a SiLU-gated MLP (bound to it):
     the model's own arithmetic, keeping the gate and up outputs only (module docstring)."""
@@ -263,6 +266,7 @@ def frozen_projections(mlp: nn.Module) -> bool:
     return all(w is not None and not w.requires_grad for w in weights)
 
 
+@eager_island
 def gated_mlp_auto_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward of ``mlp="auto"`` (the default): :func:`gated_mlp_input_forward`'s where the
     gate and up projections' full-size weights are frozen (LoRA), :func:`gated_mlp_forward`'s

@@ -26,6 +26,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..compiling import eager_island
+
 #: ``layernorm=`` values: LayerNorm keeps its input (the model's own) or its output.
 LAYERNORM = ("stored", "output")
 
@@ -93,6 +95,7 @@ class OutputLayerNorm(nn.LayerNorm):
             cached = self.__dict__["_kept"] = (key, kept if kept.numel() else None)
         return cached[1]
 
+    @eager_island
     def forward(self, x: Tensor) -> Tensor:
         if not (torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for p in (self.weight, self.bias)))) \
@@ -175,6 +178,7 @@ def is_rms_norm(module: nn.Module) -> bool:
         return torch.equal(got, RMSNormFunction.apply(x, weight, eps))
 
 
+@eager_island
 def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward :func:`~sketchprop.patch_activations` gives an RMSNorm (bound to it)."""
     if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
