@@ -29,7 +29,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", default="1,all", help="torch thread counts; all: every usable core")
     p.add_argument("--task", default="MRPC", choices=sorted(TASKS), help="the real rows' lengths")
     p.add_argument("--glue-dir", default=default_glue_dir())
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds first (with --compile-model: the passes that warm it count)")
     p.add_argument("--rounds", type=int, default=4, help="timed rounds per cell")
     p.add_argument("--every", type=int, default=3, help="methods between exact's steps")
     p.add_argument("--autocast", default="none", choices=sorted(AUTOCAST),

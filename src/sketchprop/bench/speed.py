@@ -26,8 +26,10 @@ on real rows against ``exact-skip``; "holds" is the median against the limit, "r
 where the range over rounds lies on both sides of it.
 
 ``--compile-model``: every method again with ``torch.compile(model)`` on top, in the same rounds,
-against compiled ``exact`` and compiled ``exact-skip``; a method whose compiled step fails is
-reported as ``failed: <reason>``.
+against compiled ``exact`` and compiled ``exact-skip``, after a warm-up that lasts until nothing
+compiles any more (:func:`time_cell`; the tables say how long that took and whether anything
+compiled during the timed rounds); a method whose compiled step fails is reported as
+``failed: <reason>``.
 
 **Codecs alone** (float32, or bfloat16 with ``--autocast bf16``), each group timed interleaved
 with its baseline in rounds of its own, at each thread count:
@@ -91,6 +93,7 @@ TARGETS = {
 CODEC_TARGET = ("quantize+dequantize", "dW product", 0.20)
 ROW_KINDS = ("full", "real")
 COMPILED = "compiled "  # prefix of a compiled function's name
+WARM_LIMIT = 10  # warm-up calls of a compiled function at most (dynamo's recompile limit is 8)
 
 
 def run(args) -> None:
@@ -194,7 +197,7 @@ def compiled_frames() -> int:
     return sum(counters["frames"].values())
 
 
-def warm_compiled(fn, limit: int = 10) -> int:
+def warm_compiled(fn, limit: int = WARM_LIMIT) -> int:
     """Call a compiled function until a call compiles nothing new (dynamo recompiles on guards
     that fail on later calls, e.g. a Python number that changes), at most ``limit`` times: the
     timed calls then measure the compiled code, not compiling. Returns the calls made."""
@@ -235,9 +238,11 @@ def step_grid(args, dev, dtype, methods, shapes, rows, threads) -> list[dict]:
 
 
 def time_cell(fns: dict, dev, args, dead: dict) -> dict:
-    """One cell's rounds: compiled functions are warmed up first (:func:`warm_compiled`; a failure
-    is recorded in ``dead`` and the function left out of this cell and the later ones), then all
-    run interleaved against ``exact``."""
+    """One cell's rounds against ``exact``. Compiled functions are warmed up first, each alone
+    (:func:`warm_compiled`; a failure is recorded in ``dead`` and the function left out of this
+    cell and the later ones), then every function in turn until a pass compiles nothing new
+    (copies of one model share dynamo's cache of its code, so one method's calls can make
+    another's guards fail); the frames compiled during the timed rounds are counted."""
     t0 = time.perf_counter()
     failed, warm = {n: dead[n] for n in fns if n in dead}, {}
     for name in [n for n in fns if n.startswith(COMPILED) and n not in failed]:
@@ -247,14 +252,23 @@ def time_cell(fns: dict, dev, args, dead: dict) -> dict:
             failed[name] = dead[name] = failure(err)
             print(f"  {name}: {failed[name]}", flush=True)
     live = {n: f for n, f in fns.items() if n not in failed}
+    passes = 0
+    while warm and passes < WARM_LIMIT:
+        passes, before = passes + 1, compiled_frames()
+        for fn in live.values():
+            fn()
+        if compiled_frames() == before:
+            break
 
     def report(r, times):
         print(f"  round {r}: " + " ".join(f"{k}={v[-1]:.3f}" for k, v in times.items()), flush=True)
 
-    t1 = time.perf_counter()
-    measured = interleaved_times(live, dev, warmup=args.warmup, repeats=args.rounds, base="exact",
-                                 every=args.every, on_round=report)
-    out = {"methods": {}, "failed": failed, "compile_s": t1 - t0,
+    t1, frames = time.perf_counter(), compiled_frames() if warm else 0
+    measured = interleaved_times(live, dev, warmup=max(0, args.warmup - passes),
+                                 repeats=args.rounds, base="exact", every=args.every,
+                                 on_round=report)
+    out = {"methods": {}, "failed": failed, "compile_s": t1 - t0, "warm_passes": passes,
+           "frames_compiled_timed": compiled_frames() - frames if warm else 0,
            "wall_s": time.perf_counter() - t1}
     for name in live:
         ref = COMPILED if name.startswith(COMPILED) else ""
@@ -436,8 +450,15 @@ def cell_table(c: dict) -> str:
     text = fmt_table(["method", "step s", "x exact", "x exact-skip", "target", "holds"], rows, title)
     ce = c["methods"].get(COMPILED + "exact", {}).get("vs_eager_exact")
     if ce:
+        warm = ", ".join(f"{n.removeprefix(COMPILED)} {r['warm_calls']}"
+                         for n, r in c["methods"].items() if "warm_calls" in r)
+        timed = c["frames_compiled_timed"]
         text += (f"\n\nCompiled rows: x compiled exact and x compiled exact-skip; compiled exact "
-                 f"x eager exact: {ratio_text(ce)}.")
+                 f"x eager exact: {ratio_text(ce)}. Warm-up, calls of each alone until one "
+                 f"compiled nothing new (at most {WARM_LIMIT}; {WARM_LIMIT}: it still recompiled): "
+                 f"{warm}; then passes over all methods: {c['warm_passes']}. Frames compiled "
+                 f"during the timed rounds: {timed}"
+                 f"{' (their times include compiling)' if timed else ''}.")
     return text
 
 
