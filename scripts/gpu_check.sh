@@ -18,6 +18,9 @@
 # model_<device>[_quick]_gpucheck_bits.{json,md}: b-bit stored rows (exact sketch + bits 8/4/2 on
 # every linear layer but the head), alone and with compact activations, under bf16 autocast:
 # step time against exact and saved bytes.
+# speed_<device>[_quick]_gpucheck.{json,md}: scripts/bench_speed.py under bf16 autocast, with the
+# codecs also under torch.compile: every method's step against exact and exact-skip, full and real
+# rows, and each codec beside a copy of its bytes.
 set -euo pipefail
 
 DEVICE=cuda
@@ -28,7 +31,7 @@ while [[ $# -gt 0 ]]; do
         --device) DEVICE="$2"; shift 2 ;;
         --quick) QUICK=(--quick); shift ;;
         --out-dir) OUT_DIR=(--out-dir "$2"); shift 2 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -60,10 +63,13 @@ if [[ ${#QUICK[@]} -gt 0 ]]; then
     MODEL_ARGS=(--models roberta-base --methods exact,ckpt,paper,ours,ckpt+ours --rhos 0.1
                 --parts bytes,time,memory)
     COMPACT_ARGS=(--parts bytes,time,memory)
+    SPEED_ARGS=(--threads 1)
 else
     # Every layer shape at 2048 and 4096 rows; both models, every method, three rates.
     MODEL_ARGS=(--repeats 5 --warmup 2)
     COMPACT_ARGS=(--repeats 5 --warmup 2)
+    # Steps take tens of milliseconds here: the codecs' compilation is most of this run's time.
+    SPEED_ARGS=(--threads all --rounds 7)
 fi
 COMPACT_METHODS=exact,compact,ours,ours+compact,ckpt+ours+compact,ours+seeded,ours+recompute,ours+gelu,ours+packed
 BITS_METHODS=exact,int8,int4,int2,compact,int8+compact,int4+compact,int2+compact
@@ -78,6 +84,8 @@ BITS_METHODS=exact,int8,int4,int2,compact,int8+compact,int4+compact,int2+compact
 "$PY" scripts/bench_model.py --device "$DEVICE" --tag "${TAG}_bits" "${QUICK[@]}" \
     "${OUT_DIR[@]}" --models roberta-base --methods "$BITS_METHODS" --autocast bf16 "${COMPACT_ARGS[@]}"
 "$PY" scripts/saved_tensors.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}"
+"$PY" scripts/bench_speed.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}" \
+    --autocast bf16 --compile "${SPEED_ARGS[@]}"
 
 DIR=results/bench
 if [[ ${#OUT_DIR[@]} -gt 0 ]]; then DIR="${OUT_DIR[1]}"; fi
@@ -87,7 +95,7 @@ echo
 echo "================ gpu_check: tables ($(($(date +%s) - START)) s) ================"
 for f in "$DIR"/{layer,model,overhead}_"${DEV_TYPE}${SUFFIX}".md \
          "$DIR/model_${DEV_TYPE}${SUFFIX}_compact.md" "$DIR/model_${DEV_TYPE}${SUFFIX}_bits.md" \
-         "$DIR/saved_tensors_${DEV_TYPE}${SUFFIX}.md"; do
+         "$DIR/saved_tensors_${DEV_TYPE}${SUFFIX}.md" "$DIR/speed_${DEV_TYPE}${SUFFIX}.md"; do
     echo
     echo "---- $f"
     cat "$f"

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sketchprop.bench import bits_cost, equal_bytes, memory_table, models
+from sketchprop.bench import bits_cost, equal_bytes, memory_table, models, speed
 from sketchprop.bench import sketch_variance as sv
-from sketchprop.bench.common import default_glue_dir
+from sketchprop.bench.common import default_glue_dir, r3
 from sketchprop.sketches import SKETCHES, BlockSRHT
 from sketchprop.variance import expected_variance
 
@@ -186,8 +186,80 @@ def test_gpu_check_on_cpu(tmp_path):
     for name in ("int8", "int4", "int2", "int4+compact"):
         assert ms[name]["patch"]["bits"] == int(name[3]) and "time" in ms[name]
         assert ms[name]["saved_bytes"] < ms["exact"]["saved_bytes"]
+    fast = json.loads((tmp_path / "speed_cpu_quick_gpucheck.json").read_text())
+    assert fast["args"]["autocast"] == "bf16" and fast["args"]["compile"]
+    assert any(n.startswith("compiled ") for g in fast["codecs"]["1"].values()
+               for n in [*g["ops"], *g["failed"]])
     assert "gpu_check: tables" in out
     assert out.rstrip().splitlines()[-1].startswith("|")
+
+
+SPEED_METHODS = {"exact", "exact-skip", "ckpt", "int4", "compact", "int4+compact",
+                 "ours-blocksrht+compact@0.1"}
+
+
+def test_bench_speed_quick(tmp_path):
+    """Every method in every cell against exact and exact-skip, each target with its verdict, and
+    the codecs beside a copy of their bytes and the dW product."""
+    run_script(py("bench_speed.py", "--quick", "--threads", "1", "--out-dir", str(tmp_path)),
+               tmp_path)
+    data = json.loads((tmp_path / "speed_cpu_quick.json").read_text())
+    md = (tmp_path / "speed_cpu_quick.md").read_text()
+    cells = {c["rows"]: c for c in data["cells"]}
+    assert [(c["batch"], c["seq"], c["threads"]) for c in data["cells"]] == [(4, 64, 1)] * 2
+    assert cells["full"]["info"]["real_fraction"] == 1.0 > cells["real"]["info"]["real_fraction"]
+    for c in cells.values():
+        ms = c["methods"]
+        assert set(ms) == SPEED_METHODS and not c["failed"]
+        assert ms["exact"]["vs_exact"]["ratios"] == [1.0] * data["args"]["rounds"]
+        assert ms["exact"]["vs_exact"]["ratio"] == 1.0 == ms["exact-skip"]["vs_skip"]["ratio"]
+        skip = ms["exact-skip"]["vs_exact"]["ratios"]
+        for name, m in ms.items():
+            assert m["median_s"] == statistics.median(m["samples_s"]) > 0
+            for s in (m["vs_exact"], m["vs_skip"]):
+                assert s["ratio"] == statistics.median(s["ratios"])
+                assert s["min"] <= s["ratio"] <= s["max"]
+            # against exact-skip: the ratio to exact over exact-skip's, round by round
+            assert m["vs_skip"]["ratios"] == pytest.approx(
+                [a / b for a, b in zip(m["vs_exact"]["ratios"], skip, strict=True)]), name
+    want = {(f"{name} / {base}", kind) for (kind, name), (base, _) in speed.TARGETS.items()}
+    assert {(t["what"], t["rows"]) for t in data["targets"] if "rows" in t} == want
+    for t in data["targets"]:
+        assert t["holds"] == (t["ratio"] <= t["limit"])
+        assert f"| {r3(t['ratio'])} ({t['min']:.3f}-{t['max']:.3f}) | <= {t['limit']} | " \
+            f"{t['verdict']} |" in md
+    assert "| exact | " in md and "| 1.000 (1.000-1.000) |" in md and "| x exact-skip |" in md
+    (codec,) = [t for t in data["targets"] if t["what"] == "quantize+dequantize / dW product"]
+    assert codec["cell"].endswith("1 thread")
+    groups = data["codecs"]["1"]
+    rows = next(g for name, g in groups.items() if name.startswith("int4 rows"))
+    assert set(rows["ops"]) == {"dW product", "quantize", "dequantize", "quantize+dequantize",
+                                "copy input", "copy codes"}
+    assert rows["ops"]["dW product"]["vs_dw"]["ratio"] == 1.0
+    for g in groups.values():
+        assert g["ops"]["copy input"]["vs_copy"]["ratio"] == 1.0 and not g["failed"]
+        assert all(op["median_s"] > 0 for op in g["ops"].values())
+
+
+def test_bench_speed_reports_a_failed_compile_and_skips_it_later():
+    """A compiled step that raises is a row "failed: <reason>", not a crash, and is not compiled
+    again in the later cells."""
+    def bad():
+        raise RuntimeError("no kernel\nfor this")
+
+    args = SimpleNamespace(warmup=0, rounds=2, every=2)
+    fns = {"exact": lambda: None, "exact-skip": lambda: None, "compiled exact": bad}
+    dead = {}
+    cell = speed.time_cell(fns, torch.device("cpu"), args, dead)
+    assert cell["failed"] == dead == {"compiled exact": "failed: RuntimeError: no kernel"}
+    assert set(cell["methods"]) == {"exact", "exact-skip"}
+    again = speed.time_cell({**fns, "compiled exact": lambda: pytest.fail("compiled again")},
+                            torch.device("cpu"), args, dead)
+    assert again["failed"] == dead
+    info = {"real_fraction": 1.0}
+    table = speed.cell_table({**cell, "batch": 2, "seq": 8, "rows": "full", "threads": 1,
+                              "info": info})
+    assert "| compiled exact | failed: RuntimeError: no kernel |" in table
 
 
 # --------------------------------------------------------------------- fast sketch implementations

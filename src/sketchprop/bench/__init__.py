@@ -17,6 +17,8 @@ One module per benchmark (its script in brackets):
     sketch_variance      each sketch's weight-gradient variance on real activations
     importance_variance  importance sampling's variance against the paper's sketches
     bits_cost            where the time of b-bit stored rows goes
+    speed                step time of each saving against exact and exact-skip, full and real
+                         rows, eager and compiled; each codec beside a copy (bench_speed)
     gelu_bits            bias and variance of the few-bit GELU codes
     equal_bytes          weight-gradient error against stored bits (and the code's group size)
     saved_tensors        what a training forward saves, by autograd node

@@ -37,6 +37,7 @@ OVERHEAD = "overhead_cpu"
 IMPORTANCE = ("importance_variance", "layer_cpu_importance", "model_cpu_minilm_importance")
 # Decoder LMs (scripts/decoders.py): the Llama shape's saved bytes, with LoRA, and step time.
 DECODERS = ("decoders_llama", "decoders_llama_lora", "decoders_time")
+SPEED = "speed_cpu"  # scripts/bench_speed.py: its targets, each with its verdict
 
 
 def load(d: Path, stem: str) -> dict | None:
@@ -132,6 +133,10 @@ def targets_block(d: Path) -> str:
         layernorm_targets(runs, ours_name, add)
     importance_targets(d, add)
     decoder_targets(d, add)
+    speed = load(d, SPEED)
+    for t in (speed or {}).get("targets", []):
+        add(f"{t['what']}, {t['cell']}", f"{r3(t['ratio'])} ({t['min']:.2f}-{t['max']:.2f})",
+            f"<= {t['limit']}", t["holds"], SPEED, t["min"] <= t["limit"] < t["max"])
     ov = load(d, OVERHEAD)
     if ov:
         for shape, rec in ov["exact_path"].items():

@@ -1,0 +1,497 @@
+"""Speed: what each memory saving costs in step time, against the exact step it replaces, and what
+each codec costs against the memory-bound limit of its bytes (issue 38, item 4).
+
+**Steps.** One training step (forward, backward, AdamW step) of roberta-base (random weights, as in
+:mod:`sketchprop.bench.model_step`) per method, over a grid of batch shapes (``--shapes``, default
+8x128 and 16x128), row kinds and thread counts (``--threads``, default one thread and every core
+this process may use):
+
+- ``full`` rows: every row full length, no padding, so skipping padding saves nothing and each
+  method's ratio to ``exact`` is its own cost;
+- ``real`` rows: lengths drawn from a GLUE dev set as :func:`~sketchprop.bench.models.make_batch`
+  draws them (MRPC: about 40% real tokens), padding after them.
+
+Every method runs in one process, interleaved round robin (:func:`~sketchprop.bench.common.
+interleaved_times`: ``exact`` timed before, between and after the others, each ratio against the
+mean of the two ``exact`` samples that bracket it) for ``--rounds`` rounds after ``--warmup``
+rounds. Each method has its own copy of the model's modules, patched once, sharing the one set of
+Parameters, gradients and optimizer: no patching inside the timed step, every method the same
+weights. Reported: the median over rounds of the ratio to ``exact`` and of the ratio to
+``exact-skip`` (its per-round ratio divided by exact-skip's in the same round), with the range over
+rounds. ``exact-skip`` (exact gradients, padding rows left out of the stored ``X`` and of ``dW``)
+is the fair baseline on padded rows: the 4-bit codes (``int4``: exact-skip whose stored rows are
+4-bit codes) and the compact activations should be judged by what they add to it, not credited
+with the padding it skips. Hence the targets (:data:`TARGETS`): on full rows against ``exact``,
+on real rows against ``exact-skip``; "holds" is the median against the limit, "range crosses"
+where the range over rounds lies on both sides of it.
+
+``--compile-model``: every method again with ``torch.compile(model)`` on top, in the same rounds,
+against compiled ``exact`` and compiled ``exact-skip``, after a warm-up that lasts until nothing
+compiles any more (:func:`time_cell`; the tables say how long that took and whether anything
+compiled during the timed rounds); a method whose compiled step fails is reported as
+``failed: <reason>``.
+
+**Codecs alone** (float32, or bfloat16 with ``--autocast bf16``), each group timed interleaved
+with its baseline in rounds of its own, at each thread count:
+
+- 4-bit stored rows on the ``--codec-rows x --codec-cols`` input of ``bits_cost`` (807 x 3072:
+  the non-padding rows of a 16 x 128 MRPC batch into the intermediate layer): quantize,
+  dequantize, both; beside a plain copy of the input's bytes (``torch.empty_like(a).copy_(a)``:
+  the memory-bound limit of a pass over them), a copy of the code bytes, and the weight-gradient
+  product ``dY^T X`` against a ``rows x 768`` output gradient that backward computes from the
+  decoded rows. Target: quantize + dequantize at most 0.20x that product on one thread.
+- The GELU code: encode (derivative, 2-bit stochastic code, packing) and decode (unpacking, levels)
+  of ``CompactGELU``'s default code on a ``--gelu-shape`` (16*128 x 3072) input, beside a copy.
+- The seeded dropout mask regenerated from its seed (``activations.seeds.keep_mask``, p 0.1) on a
+  ``--mask-shape`` (16 x 12 x 128 x 128: roberta-base's attention probabilities) tensor, beside a
+  copy of a float tensor of that shape.
+
+``--compile``: each codec function also as ``torch.compile(fn)``, in the same rounds.
+
+``scripts/bench_speed.py`` runs it (``make bench-speed``); outputs ``speed_<device>[_quick]<tag>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from sketchprop import quantize as q
+from sketchprop.activations.gelu import GeluCode, gelu_derivative
+from sketchprop.activations.packing import pack_codes, unpack_codes
+from sketchprop.activations.seeds import keep_mask
+from sketchprop.measure import usable_cores
+
+from .common import (
+    BadArgs,
+    environment,
+    fmt_table,
+    interleaved_times,
+    parse_list,
+    pct,
+    r3,
+    setup_device,
+    write_outputs,
+)
+from .model_step import quiet_deprecations
+from .models import AUTOCAST, Configured, build_model, make_batch, make_step, method_list, to_device
+
+# (row kind, method) -> (baseline, limit): the step-time targets of issue 38.
+TARGETS = {
+    ("full", "int4"): ("exact", 1.02),
+    ("full", "compact"): ("exact", 1.03),
+    ("full", "int4+compact"): ("exact", 1.04),
+    ("real", "int4"): ("exact-skip", 1.02),
+    ("real", "int4+compact"): ("exact-skip", 1.06),
+}
+# quantize + dequantize of 4-bit rows against the weight-gradient product, on one thread.
+CODEC_TARGET = ("quantize+dequantize", "dW product", 0.20)
+ROW_KINDS = ("full", "real")
+COMPILED = "compiled "  # prefix of a compiled function's name
+WARM_LIMIT = 10  # warm-up calls of a compiled function at most (dynamo's recompile limit is 8)
+
+
+def run(args) -> None:
+    """The benchmark as ``scripts/bench_speed.py`` runs it (its options in ``args``): measure, write
+    ``speed_<device>[_quick]<tag>.{json,md}`` and print the tables."""
+    shapes = parse_shapes(args.shapes, args.quick)
+    rows = parse_list(args.rows)
+    if not set(rows) <= set(ROW_KINDS) or not rows:
+        raise BadArgs(f"--rows must name some of {', '.join(ROW_KINDS)}, got {args.rows!r}")
+    threads = parse_threads(args.threads)
+    args.rho_list = parse_list(args.rhos, float)
+    methods = method_list(args)
+    if not {"exact", "exact-skip"} <= {m["name"] for m in methods}:
+        raise BadArgs("--methods must include exact and exact-skip (the baselines)")
+    for text in (args.gelu_shape, args.mask_shape):
+        shape_of(text)
+    if min(args.rounds, args.codec_rounds, args.inner, args.every) < 1 or args.warmup < 0:
+        raise BadArgs("--rounds, --codec-rounds, --inner and --every must be >= 1, --warmup >= 0")
+    if args.quick:
+        args.rounds, args.codec_rounds, args.inner = min(args.rounds, 2), min(args.codec_rounds, 3), 1
+        args.codec_rows, args.codec_cols, args.out_features = 37, 256, 64
+        args.gelu_shape, args.mask_shape = "64x256", "2x4x32x32"
+    quiet_deprecations()
+    dev = setup_device(args.device, threads[0])
+    env = environment(dev)
+    dtype = AUTOCAST[args.autocast]
+    t0 = time.perf_counter()
+    cells = step_grid(args, dev, dtype, methods, shapes, rows, threads)
+    codecs = {str(n): codec_rounds(args, dev, dtype, n) for n in threads}
+    payload = {"environment": env, "args": vars(args), "threads": threads, "cells": cells,
+               "codecs": codecs, "wall_s": time.perf_counter() - t0}
+    payload["targets"] = targets(cells, codecs)
+    text = tables(payload)
+    stem = f"speed_{dev.type}{'_quick' if args.quick else ''}{args.tag}"
+    write_outputs(stem, payload, text, args.out_dir)
+    print("\n" + text)
+
+
+def parse_shapes(text: str, quick: bool) -> list[tuple[int, int]]:
+    """``8x128,16x128`` as ``[(8, 128), (16, 128)]``; ``quick`` clamps them to at most 4 x 64
+    (duplicates dropped): long enough that real rows have padding."""
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in parse_list(text)]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise BadArgs(f"--shapes must be BATCHxSEQ[,BATCHxSEQ...], got {text!r}")
+    if quick:
+        shapes = [(min(b, 4), min(s, 64)) for b, s in shapes]
+    return list(dict.fromkeys(shapes))
+
+
+def parse_threads(text: str) -> list[int]:
+    """``1,all`` as thread counts; ``all`` is every core this process may use."""
+    out = []
+    for v in parse_list(text):
+        if v != "all" and not (v.isdigit() and int(v) >= 1):
+            raise BadArgs(f"--threads must be positive counts or 'all', got {text!r}")
+        out.append(usable_cores() if v == "all" else int(v))
+    if not out:
+        raise BadArgs("--threads names no thread count")
+    return list(dict.fromkeys(out))
+
+
+# ----------------------------------------------------------------------------------------- steps
+
+def batch_for(model, kind: str, bsz: int, seq: int, args) -> tuple[dict, dict]:
+    """The batch of one row kind: ``real`` as make_batch draws it; ``full``: the same tokens with
+    every padding position given a random non-padding token, the attention mask all ones."""
+    ns = SimpleNamespace(batch=bsz, seq=seq, task=args.task, glue_dir=args.glue_dir,
+                         quick=args.quick)
+    batch, info = make_batch(args.model, model, ns)
+    if kind == "full":
+        mask = batch["attention_mask"]
+        g = torch.Generator().manual_seed(1)
+        fill = torch.randint(3, model.config.vocab_size, mask.shape, generator=g)
+        batch = {**batch, "input_ids": torch.where(mask.bool(), batch["input_ids"], fill),
+                 "attention_mask": torch.ones_like(mask)}
+        info = {"lengths": [seq] * bsz, "source": "every row full length",
+                "real_fraction": 1.0}
+    return batch, info
+
+
+def method_models(model, methods, stack: contextlib.ExitStack, compile_model: bool) -> dict:
+    """``{name: module}``: per method a copy of ``model`` sharing its Parameters, patched for the
+    life of ``stack``; with ``compile_model`` also ``compiled <name>``: ``torch.compile`` of it."""
+    shared = {id(p): p for p in model.parameters()}
+    out = {}
+    for m in methods:
+        out[m["name"]] = mod = copy.deepcopy(model, memo=dict(shared))
+        stack.enter_context(Configured(mod, m))
+    if compile_model:
+        out.update({COMPILED + name: torch.compile(mod) for name, mod in list(out.items())})
+    return out
+
+
+def compiled_frames() -> int:
+    """Frames dynamo has converted so far in this process (a compile or a recompile each)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["frames"].values())
+
+
+def warm_compiled(fn, limit: int = WARM_LIMIT) -> int:
+    """Call a compiled function until a call compiles nothing new (dynamo recompiles on guards
+    that fail on later calls, e.g. a Python number that changes), at most ``limit`` times: the
+    timed calls then measure the compiled code, not compiling. Returns the calls made."""
+    for calls in range(1, limit + 1):
+        before = compiled_frames()
+        fn()
+        if compiled_frames() == before:
+            return calls
+    return limit
+
+
+def failure(err: Exception) -> str:
+    """A one-line reason for a failed call."""
+    lines = str(err).strip().splitlines()
+    return f"failed: {type(err).__name__}: {lines[0][:160] if lines else ''}".rstrip(": ")
+
+
+def step_grid(args, dev, dtype, methods, shapes, rows, threads) -> list[dict]:
+    """Every cell of the grid (shape, row kind, threads): its batch and each method's timing."""
+    model = build_model(args.model, args.quick).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    cells, dead = [], {}
+    with contextlib.ExitStack() as stack:
+        mods = method_models(model, methods, stack, args.compile_model)
+        for bsz, seq in shapes:
+            for kind in rows:
+                batch, info = batch_for(model, kind, bsz, seq, args)
+                batch = to_device(batch, dev)
+                fns = {name: make_step(mod, batch, opt, dtype) for name, mod in mods.items()}
+                for n in threads:
+                    torch.set_num_threads(n)
+                    print(f"\n=== {bsz}x{seq} {kind} rows ({pct(info['real_fraction'])} real), "
+                          f"{n} thread(s) ===", flush=True)
+                    cell = {"batch": bsz, "seq": seq, "rows": kind, "threads": n, "info": info}
+                    cell.update(time_cell(fns, dev, args, dead))
+                    cells.append(cell)
+    return cells
+
+
+def time_cell(fns: dict, dev, args, dead: dict) -> dict:
+    """One cell's rounds against ``exact``. Compiled functions are warmed up first, each alone
+    (:func:`warm_compiled`; a failure is recorded in ``dead`` and the function left out of this
+    cell and the later ones), then every function in turn until a pass compiles nothing new
+    (copies of one model share dynamo's cache of its code, so one method's calls can make
+    another's guards fail); the frames compiled during the timed rounds are counted."""
+    t0 = time.perf_counter()
+    failed, warm = {n: dead[n] for n in fns if n in dead}, {}
+    for name in [n for n in fns if n.startswith(COMPILED) and n not in failed]:
+        try:
+            warm[name] = warm_compiled(fns[name])
+        except Exception as err:  # noqa: BLE001 -- any compile failure is a result to report
+            failed[name] = dead[name] = failure(err)
+            print(f"  {name}: {failed[name]}", flush=True)
+    live = {n: f for n, f in fns.items() if n not in failed}
+    passes = 0
+    while warm and passes < WARM_LIMIT:
+        passes, before = passes + 1, compiled_frames()
+        for fn in live.values():
+            fn()
+        if compiled_frames() == before:
+            break
+
+    def report(r, times):
+        print(f"  round {r}: " + " ".join(f"{k}={v[-1]:.3f}" for k, v in times.items()), flush=True)
+
+    t1, frames = time.perf_counter(), compiled_frames() if warm else 0
+    measured = interleaved_times(live, dev, warmup=max(0, args.warmup - passes),
+                                 repeats=args.rounds, base="exact", every=args.every,
+                                 on_round=report)
+    out = {"methods": {}, "failed": failed, "compile_s": t1 - t0, "warm_passes": passes,
+           "frames_compiled_timed": compiled_frames() - frames if warm else 0,
+           "wall_s": time.perf_counter() - t1}
+    for name in live:
+        ref = COMPILED if name.startswith(COMPILED) else ""
+        rec = {"median_s": statistics.median(measured["times"][name]),
+               "samples_s": measured["times"][name]}
+        for key, base in (("vs_exact", ref + "exact"), ("vs_skip", ref + "exact-skip")):
+            if base in live:
+                rec[key] = summary(versus(measured, name, base, "exact"))
+        if ref:
+            rec["vs_eager_exact"] = summary(versus(measured, name, "exact", "exact"))
+            rec["warm_calls"] = warm[name]
+        out["methods"][name] = rec
+    return out
+
+
+def versus(measured: dict, name: str, ref: str, base: str) -> list[float]:
+    """Per round, ``name``'s time over ``ref``'s: their bracketed ratios to ``base`` divided (each
+    against ``base`` measured seconds apart)."""
+    rounds = len(measured["ratios"][next(n for n in measured["ratios"] if n != base)])
+
+    def ratios(n):
+        return [1.0] * rounds if n == base else measured["ratios"][n]
+    return [a / b for a, b in zip(ratios(name), ratios(ref), strict=True)]
+
+
+def summary(rs: list[float]) -> dict:
+    """The median of per-round ratios, their range, and the ratios."""
+    return {"ratio": statistics.median(rs), "min": min(rs), "max": max(rs), "ratios": rs}
+
+
+# ---------------------------------------------------------------------------------------- codecs
+
+def shape_of(text: str) -> tuple[int, ...]:
+    """``16x12x128x128`` as a tuple."""
+    try:
+        shape = tuple(int(v) for v in text.split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise BadArgs(f"a shape is NxMx... in positive integers, got {text!r}")
+    return shape
+
+
+def codec_groups(args, dev, dtype) -> dict[str, tuple[str, dict]]:
+    """``{group: (baseline, {op: fn})}``: the codec functions of each group, each a call of no
+    arguments on inputs made here."""
+    dtype = dtype or torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(dtype)
+
+    bits, group = args.bits, args.group
+    a, dy = randn(args.codec_rows, args.codec_cols), randn(args.codec_rows, args.out_features)
+    payload, spec, _ = q.quantize(a, bits, group, seed=1)
+    rows = {
+        "dW product": lambda: dy.T.mm(a),
+        "quantize": lambda: q.quantize(a, bits, group, seed=1)[0],
+        "dequantize": lambda: q.dequantize(payload, spec),
+        "quantize+dequantize": lambda: q.dequantize(*q.quantize(a, bits, group, seed=1)[:2]),
+        "copy input": lambda: torch.empty_like(a).copy_(a),
+        "copy codes": lambda: torch.empty_like(payload).copy_(payload),
+    }
+    code = GeluCode.uniform(2)
+    x = randn(*shape_of(args.gelu_shape))
+    packed = pack_codes(code.encode(gelu_derivative(x), 1), code.bits)
+
+    def encode():
+        return pack_codes(code.encode(gelu_derivative(x), 1), code.bits)
+
+    def decode(p=packed):
+        return code.decode(unpack_codes(p, code.bits, x.numel()).view(x.shape))
+
+    gelu = {"copy input": lambda: torch.empty_like(x).copy_(x), "encode": encode,
+            "decode": decode, "encode+decode": lambda: decode(encode())}
+    mshape = shape_of(args.mask_shape)
+    m = randn(*mshape).float()
+    mask = {"copy input": lambda: torch.empty_like(m).copy_(m),
+            "regenerate mask": lambda: keep_mask(mshape, 0.1, 1, dev)}
+    return {
+        f"int{bits} rows {args.codec_rows}x{args.codec_cols}": ("dW product", rows),
+        f"GELU 2-bit code {args.gelu_shape}": ("copy input", gelu),
+        f"dropout mask {args.mask_shape} (float32 copy)": ("copy input", mask),
+    }
+
+
+def codec_rounds(args, dev, dtype, threads: int) -> dict:
+    """Every codec group timed at ``threads`` threads: ``{group: {op: record}}`` with each op's
+    median time and its ratios to the group's copy of the input and (rows) to the dW product."""
+    torch.set_num_threads(threads)
+    print(f"\n=== codecs, {threads} thread(s) ===", flush=True)
+    out = {}
+    for gname, (base, fns) in codec_groups(args, dev, dtype).items():
+        failed = {}
+        if args.compile:
+            for name, fn in list(fns.items()):
+                if name.startswith("copy"):
+                    continue
+                cfn = torch.compile(fn)
+                try:
+                    warm_compiled(cfn)
+                    fns[COMPILED + name] = cfn
+                except Exception as err:  # noqa: BLE001 -- reported, not raised
+                    failed[COMPILED + name] = failure(err)
+        measured = interleaved_times(fns, dev, warmup=2, repeats=args.codec_rounds,
+                                     inner=args.inner, base=base, every=2)
+        recs = {}
+        for name in fns:
+            rec = {"median_s": statistics.median(measured["times"][name]),
+                   "samples_s": measured["times"][name],
+                   "vs_copy": summary(versus(measured, name, "copy input", base))}
+            if base == "dW product":
+                rec["vs_dw"] = summary(versus(measured, name, base, base))
+            recs[name] = rec
+        out[gname] = {"base": base, "ops": recs, "failed": failed}
+        print(f"  {gname}: " + ", ".join(f"{n} {1e3 * r['median_s']:.3f} ms"
+                                         for n, r in recs.items()), flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- tables
+
+def verdict(s: dict, limit: float) -> tuple[bool, str]:
+    """Whether a median ratio meets ``limit``, and the verdict as the tables write it."""
+    ok = s["ratio"] <= limit
+    crosses = s["min"] <= limit < s["max"]
+    return ok, ("yes" if ok else "no") + (" (range crosses)" if crosses else "")
+
+
+def targets(cells: list[dict], codecs: dict) -> list[dict]:
+    """Every target with its measured median ratio, range and verdict."""
+    out = []
+    for c in cells:
+        for (kind, name), (base, limit) in TARGETS.items():
+            rec = c["methods"].get(name, {})
+            s = rec.get("vs_exact" if base == "exact" else "vs_skip")
+            if c["rows"] != kind or s is None:
+                continue
+            ok, text = verdict(s, limit)
+            out.append({"what": f"{name} / {base}", "cell": cell_label(c), "rows": kind,
+                        "ratio": s["ratio"], "min": s["min"], "max": s["max"], "limit": limit,
+                        "holds": ok, "verdict": text})
+    op, base, limit = CODEC_TARGET
+    for threads, groups in codecs.items():
+        if threads != "1":
+            continue
+        for gname, grp in groups.items():
+            s = grp["ops"].get(op, {}).get("vs_dw")
+            if s is not None:
+                ok, text = verdict(s, limit)
+                out.append({"what": f"{op} / {base}", "cell": f"{gname}, 1 thread",
+                            "ratio": s["ratio"], "min": s["min"], "max": s["max"],
+                            "limit": limit, "holds": ok, "verdict": text})
+    return out
+
+
+def cell_label(c: dict) -> str:
+    return (f"{c['batch']}x{c['seq']} {c['rows']} rows ({pct(c['info']['real_fraction'])} real), "
+            f"{c['threads']} thread{'s' if c['threads'] > 1 else ''}")
+
+
+def ratio_text(s: dict | None) -> str:
+    """``median (min-max)`` of a ratio summary; empty where there is none."""
+    return f"{r3(s['ratio'])} ({s['min']:.3f}-{s['max']:.3f})" if s else ""
+
+
+def cell_table(c: dict) -> str:
+    """One cell: every method's step time and ratios, its target and verdict."""
+    rows = []
+    for name, rec in c["methods"].items():
+        base, limit = TARGETS.get((c["rows"], name), (None, None))
+        s = rec.get("vs_exact" if base == "exact" else "vs_skip") if base else None
+        rows.append([name, f"{rec['median_s']:.3f}", ratio_text(rec.get("vs_exact")),
+                     ratio_text(rec.get("vs_skip")),
+                     f"<= {limit} x {base}" if base else "", verdict(s, limit)[1] if s else ""])
+    rows += [[name, reason.replace("|", "/"), "", "", "", ""] for name, reason in c["failed"].items()]
+    title = (f"{cell_label(c)}: one training step, median s over rounds; median ratio over rounds "
+             f"(min-max)")
+    text = fmt_table(["method", "step s", "x exact", "x exact-skip", "target", "holds"], rows, title)
+    ce = c["methods"].get(COMPILED + "exact", {}).get("vs_eager_exact")
+    if ce:
+        warm = ", ".join(f"{n.removeprefix(COMPILED)} {r['warm_calls']}"
+                         for n, r in c["methods"].items() if "warm_calls" in r)
+        timed = c["frames_compiled_timed"]
+        text += (f"\n\nCompiled rows: x compiled exact and x compiled exact-skip; compiled exact "
+                 f"x eager exact: {ratio_text(ce)}. Warm-up, calls of each alone until one "
+                 f"compiled nothing new (at most {WARM_LIMIT}; {WARM_LIMIT}: it still recompiled): "
+                 f"{warm}; then passes over all methods: {c['warm_passes']}. Frames compiled "
+                 f"during the timed rounds: {timed}"
+                 f"{' (their times include compiling)' if timed else ''}.")
+    return text
+
+
+def codec_table(threads: str, groups: dict, dtype: str) -> str:
+    """The codecs at one thread count: median ms per call, ratios to the copy and dW product."""
+    rows = []
+    op, base, limit = CODEC_TARGET
+    for gname, grp in groups.items():
+        for name, rec in grp["ops"].items():
+            s = rec.get("vs_dw")
+            target = holds = ""
+            if name == op and s is not None and threads == "1":
+                target, holds = f"<= {limit} x {base}", verdict(s, limit)[1]
+            rows.append([gname, name, f"{1e3 * rec['median_s']:.3f}", ratio_text(rec["vs_copy"]),
+                         ratio_text(s), target, holds])
+        rows += [[gname, n, r.replace("|", "/"), "", "", "", ""] for n, r in grp["failed"].items()]
+    title = (f"Codecs alone, {dtype} inputs, {threads} thread{'s' if threads != '1' else ''}: "
+             f"median ms per call; median ratio over rounds (min-max) to a copy of the group's "
+             f"input and to the dW product")
+    return fmt_table(["input", "op", "ms", "x copy input", "x dW product", "target", "holds"],
+                     rows, title)
+
+
+def tables(payload: dict) -> str:
+    """The run's markdown: the targets, then each cell's table, then the codec tables."""
+    a = payload["args"]
+    rows = [[t["what"], t["cell"], f"{r3(t['ratio'])} ({t['min']:.3f}-{t['max']:.3f})",
+             f"<= {t['limit']}", t["verdict"]] for t in payload["targets"]]
+    parts = [fmt_table(["target", "where", "measured (range over rounds)", "limit", "holds"], rows,
+                       f"Speed targets ({a['model']}, autocast {a['autocast']}): median over "
+                       f"{a['rounds']} rounds; 'range crosses': the min-max range over rounds "
+                       f"lies on both sides of the limit")]
+    parts += [cell_table(c) for c in payload["cells"]]
+    dtype = "float32" if a["autocast"] == "none" else str(AUTOCAST[a["autocast"]]).split(".")[1]
+    parts += [codec_table(t, groups, dtype) for t, groups in payload["codecs"].items()]
+    return "\n\n".join(parts)
