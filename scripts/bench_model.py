@@ -25,6 +25,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--task", default="MRPC", choices=sorted(TASKS))
     p.add_argument("--glue-dir", default=default_glue_dir())
+    p.add_argument("--rows", default="real", choices=["real", "full"],
+                   help="real: the task's real lengths, padded to --seq (default); full: every row "
+                        "--seq tokens, no padding")
     p.add_argument("--warmup", type=int, default=None,
                    help="warm-up rounds before timing (default 0 after the bytes part, which runs "
                         "every method once, else 1)")

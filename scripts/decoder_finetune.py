@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only draw the figure (and print the table) from a JSON file this "
+                   help="only draw the figure and rewrite the table from a JSON file this "
                         "script wrote")
     add_threads_arg(p)
     args = p.parse_args(argv)

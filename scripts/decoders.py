@@ -38,6 +38,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes and batch: seconds")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the output files' names")
+    p.add_argument("--retable", default=None, metavar="JSON",
+                   help="rewrite the .md tables of an earlier run from its JSON file and exit")
     add_threads_arg(p)
     args = p.parse_args(argv)
     try:

@@ -119,6 +119,27 @@ def test_bench_model_quick(tmp_path):
     assert ms["exact"]["time"]["ratio"] == 1.0
 
 
+def test_bench_model_full_rows_and_exact_skip_quick(tmp_path):
+    """--rows full: no padding (the batch says so); exact-skip timed beside the others gives each
+    method's per-round time over its own, and the table says which rows it timed."""
+    run_script(py("bench_model.py", "--quick", "--threads", "1", "--models", "roberta-base",
+                  "--methods", "exact,exact-skip,ours", "--rhos", "0.5", "--parts", "time",
+                  "--rows", "full", "--repeats", "2", "--out-dir", str(tmp_path)), tmp_path)
+    res = json.loads((tmp_path / "model_cpu_quick.json").read_text())["results"][0]
+    assert res["batch"]["real_fraction"] == 1.0
+    assert res["batch"]["source"] == "every row full length"
+    table = (tmp_path / "model_cpu_quick.md").read_text()
+    assert "| method | rho | step s | time vs exact (range) | time vs exact-skip (range) |" in table
+    assert "Rows: full-length (no padding)" in table
+    row = next(line for line in table.splitlines() if line.startswith("| exact-skip |"))
+    assert "| 1.000 (1.00-1.00) |" in row
+    ms = res["methods"]
+    ours = [a / b for a, b in zip(ms["ours-blocksrht@0.5"]["time"]["ratios"],
+                                  ms["exact-skip"]["time"]["ratios"], strict=True)]
+    row = next(line for line in table.splitlines() if line.startswith("| ours-blocksrht |"))
+    assert f"| {statistics.median(ours):.3f} ({min(ours):.2f}-{max(ours):.2f}) |" in row
+
+
 def test_backward_overhead_quick(tmp_path):
     out = run_script(py("backward_overhead.py", "--quick", "--threads", "1", "--out-dir",
                         str(tmp_path)), tmp_path)
@@ -371,6 +392,10 @@ def test_memory_table_quick(tmp_path):
                 compact = p[f"{scheme}+compact"][r]
                 assert compact["saved_activation_bytes"] < p[scheme][r]["saved_activation_bytes"]
                 assert compact["activations"]["attention"] == "recompute"
+        # Exact with padding rows skipped: the exact sketch, fewer bytes than exact (padded rows).
+        skip = p["exact-skip"]
+        assert skip["patch"]["sketch"] == "exact" and "bits" not in skip["patch"]
+        assert exact > skip["saved_activation_bytes"] > 0
         # Compact activations alone: the exact linear layers, the rest compact.
         alone = p["compact"]
         assert "patch" not in alone and alone["activations"]["attention"] == "recompute"

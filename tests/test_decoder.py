@@ -550,6 +550,13 @@ def test_decoders_script_quick(tmp_path):
         for r in rows.values():
             assert len(r["step_samples_s"]) == len(r["time_ratios"]) == 1
             assert r["time_ratio"] == r["step_samples_s"][0] / rows["exact"]["step_samples_s"][0]
+    # The tables say which rows were timed, and are rewritten from the JSON file alone.
+    md = tmp_path / "decoders_quick.md"
+    table = md.read_text()
+    assert table.count("rows: full-length (no padding") == 2
+    md.unlink()
+    run_script(py("decoders.py", "--retable", str(tmp_path / "decoders_quick.json")), tmp_path)
+    assert md.read_text() == table
 
 
 def _toy_sst2(root):
@@ -587,10 +594,15 @@ def test_decoder_finetune_quick(tmp_path):
     assert compact["train_loss"][0] == pytest.approx(exact["train_loss"][0], abs=1e-5)
     # Training moves the weights: the held-out loss changes from step 0.
     assert exact["dev_loss"]["3"] != exact["dev_loss"]["0"]
-    # The figure is remade from the JSON file alone.
+    # The figure and the table are remade from the JSON file alone; the table names its rows.
+    md = tmp_path / "decoder_finetune_quick.md"
+    table = md.read_text()
+    assert "rows: full-length blocks, no padding" in table
+    md.unlink()
     out = run_script(py("decoder_finetune.py", "--replot", str(tmp_path / "decoder_finetune_quick.json"),
                         "--figure", str(tmp_path / "again.png")), tmp_path)
     assert (tmp_path / "again.png").stat().st_size > 0 and "| lora+ours+compact |" in out
+    assert md.read_text() == table
 
 
 def test_decoder_finetune_refuses_bad_input(tmp_path):

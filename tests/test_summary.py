@@ -31,8 +31,31 @@ def test_keeps_the_rows_on_either_front_in_order(tmp_path):
     lines = frontier_summary(csv).splitlines()
     assert lines[0] == ("| configuration | saved bytes / exact | CoLA MCC - exact (mean ± SE, n) "
                         "| step time / exact |")
-    assert lines[2:] == ["| a | 0.1 | -1.00 ± 0.50 (n=3) | 0.90x |",
-                         "| b | 0.2 | +0.10 ± 0.20 (n=5) | 1.10x |"]
+    assert lines[2:4] == ["| a | 0.1 | -1.00 ± 0.50 (n=3) | 0.90x |",
+                          "| b | 0.2 | +0.10 ± 0.20 (n=5) | 1.10x |"]
+    assert lines[4:] == ["", "Full-length rows were not timed: every step time here is on batches "
+                         "with the task's real lengths ([`results/tables/frontier.md`]"
+                         "(results/tables/frontier.md) gives the command that times them)."]
+
+
+def test_every_step_time_column_is_kept_with_its_rows(tmp_path):
+    """The summary shows each step-time column of the CSV (against exact and against exact with
+    padding skipped, real lengths and full-length rows), titled with its rows."""
+    csv = tmp_path / "frontier.csv"
+    csv.write_text(
+        "configuration,saved bytes / exact (CoLA 256),CoLA MCC - exact,"
+        '"step time / exact (real lengths, 40% real tokens)",'
+        '"step time / exact, padding skipped (real lengths, 40% real tokens)",'
+        '"step time / exact (full-length rows)",'
+        '"step time / exact, padding skipped (full-length rows)",'
+        '"front: bytes, score","front: bytes, score, time"\n'
+        "a,0.1,-1.00 ± 0.50 (n=3),0.70x,0.85x,0.95x,0.93x,yes,yes\n")
+    lines = frontier_summary(csv).splitlines()
+    assert lines[0].endswith("| step time / exact (real lengths, 40% real tokens) | step time / "
+                             "exact, padding skipped (real lengths, 40% real tokens) | step time "
+                             "/ exact (full-length rows) | step time / exact, padding skipped "
+                             "(full-length rows) |")
+    assert lines[2:] == ["| a | 0.1 | -1.00 ± 0.50 (n=3) | 0.70x | 0.85x | 0.95x | 0.93x |"]
 
 
 def test_the_stacks_block_is_the_table_of_the_tests_markers():

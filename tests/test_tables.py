@@ -180,7 +180,14 @@ def test_table3_and_figure3_with_checkpointing(tmp_path):
     lines = (tmp_path / "tables" / "table3.md").read_text().splitlines()
     rows = {line.split(" | ")[2]: line for line in lines if line.startswith("| cola (8) |")}
     assert set(rows) == {"paper layout (Gaussian)", "ours (blocksrht)",
-                         "checkpointing + ours (blocksrht)"}
+                         "checkpointing + ours (blocksrht)", "exact, padding skipped"}
+    # exact with padding skipped: a row even where the point has no bytes for it, saying so
+    assert "| - / - / - / - | - / - / - / - |" in rows["exact, padding skipped"]
+    assert "'exact, padding skipped' has no bytes at the points marked '-' (rerun: " \
+           "`python scripts/memory_table.py" in lines[2]
+    # the benchmark file times no exact-skip: the table says so, and how to time it
+    assert "Exact with padding rows skipped was not timed in these runs" in lines[2]
+    assert "--methods exact,exact-skip," in lines[2]
     ck = rows["checkpointing + ours (blocksrht)"]
     assert "| 20 / 20 / 20 / 20 | 95% / 95% / 95% / 95% | - |" in ck
     assert "| 1.30 / - / - / 1.00 |" in ck  # ckpt 1.2-1.4, ckpt+ours@0.1 0.9-1.1; 0.5/0.2 unmeasured
@@ -485,9 +492,9 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path):
     assert "| blocksrht | ours | 0.1 | 47.67 ± 2.52 (n=3) |" in table4
     # Compact activations on the exact layers: paired with exact like any method, and the paper's
     # exact score and time are not theirs.
-    assert "| exact | - | - | 53.00 ± 3.61 (n=3) | - | - | - | - | 60.90 | 08:44 |" in table4
-    assert "| exact | compact | - | 53.00 ± 2.65 (n=3) | +0.00 | +0.00 ± 0.58 (n=3) | - | - | - | - |" \
-        in table4
+    assert "| exact | - | - | 53.00 ± 3.61 (n=3) | - | - | - | - | - | 60.90 | 08:44 |" in table4
+    assert "| exact | compact | - | 53.00 ± 2.65 (n=3) | +0.00 | +0.00 ± 0.58 (n=3) | - | - | - | - " \
+           "| - |" in table4
     # Other compact settings: a row of their own, named by what differs.
     assert "| blocksrht | ours+compact(gelu_bits=3,gelu_code=optimal) | 0.1 | 0.00 ± 0.00 (n=3) |" \
         in table4
@@ -521,18 +528,113 @@ def test_frontier_points_pairs_and_fronts(tmp_path):
             if line.startswith("| ") and not line.startswith("| configuration")
             and not line.startswith("|---")}
     # ours 0.1: 0.6 of exact's bytes, 48 - 51 on the one seed both have, step 0.75x (pooled)
-    assert rows["blocksrht (ours) 0.1"][1:4] == ["0.600", "-3.00 (n=1)", "0.75x"]
+    assert rows["blocksrht (ours) 0.1"][1:5] == ["0.600", "-3.00 (n=1)", "0.75x", "-"]
     assert rows["gaussian (paper) 0.1"][1:3] == ["0.750", "-5.00 (n=1)"]
     assert rows["checkpointing"][1:3] == ["0.050", "0 (exact gradients)"]
     assert rows["exact"][2] == "+0.00 ± 0.00 (n=3)"
     assert rows["int4"][1:3] == ["-", "not run"]
     # Checkpointing keeps the fewest bytes at exact's score: it beats every point on those two
     # axes; with time, exact (faster than checkpointing) and ours (the fastest) join it.
-    front2 = {name for name, cells in rows.items() if cells[4] == "yes"}
-    front3 = {name for name, cells in rows.items() if cells[5].startswith("yes")}
+    front2 = {name for name, cells in rows.items() if cells[5] == "yes"}
+    front3 = {name for name, cells in rows.items() if cells[6].startswith("yes")}
     assert front2 == {"checkpointing"}
     assert front3 == {"checkpointing", "exact", "blocksrht (ours) 0.1"}
     assert (tmp_path / "figures" / "frontier.png").stat().st_size > 0
+
+
+def fair_bench(results: Path, full: bool = True) -> None:
+    """roberta-base step runs: one on padded rows (40% real tokens) timing exact-skip beside ours,
+    one on those rows without it (int4), and with ``full`` one on full-length rows."""
+    bench = results / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+
+    def run(name, batch, methods):
+        (bench / f"{name}.json").write_text(json.dumps({
+            "environment": {"torch_threads": 1, "device": "cpu", "cpu": "test CPU"},
+            "args": {"batch": 16, "seq": 128, "task": "MRPC"},
+            "results": [{"model": "roberta-base", "batch": batch, "methods": {
+                n: {"time": {"ratios": r, "median_s": 1.0}} for n, r in methods.items()}}]}))
+
+    padded = {"source": "MRPC dev, test tokenizer", "real_fraction": 0.4}
+    run("model_cpu_skip", padded, {"exact": [1.0] * 4, "exact-skip": [0.8, 0.8, 0.9],
+                                   "ours-blocksrht@0.1": [0.72, 0.6, 0.9]})
+    run("model_cpu_bits", padded, {"exact": [1.0] * 4, "int4": [0.8, 0.81, 0.82]})
+    if full:
+        run("model_cpu_full", {"source": "every row full length", "real_fraction": 1.0},
+            {"exact": [1.0] * 4, "exact-skip": [1.02, 1.02, 1.02],
+             "ours-blocksrht@0.1": [0.9, 0.918, 0.95]})
+
+
+def frontier_rows(results: Path) -> tuple[list[str], dict[str, list[str]]]:
+    lines = (results / "tables" / "frontier.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| configuration"))
+    return header.strip("| ").split(" | "), {
+        line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ") for line in lines
+        if line.startswith("| ") and line != header and not line.startswith("|---")}
+
+
+def test_time_tables_have_the_exact_skip_row_and_say_which_rows(tmp_path):
+    """Every step time is against exact and, where the same run timed it, against exact with
+    padding skipped (each round's ratio over exact-skip's of the same round); exact-skip is a row
+    of its own; the tables say which rows were timed, and show full-length rows beside the real
+    lengths where a run timed them."""
+    write_runs(tmp_path)
+    fair_bench(tmp_path)
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    point = memory_point("table3", "cola", 256, 400)
+    point["exact-skip"] = {"saved_activation_bytes": 300 * 2**20}
+    (memory / "table3-cola-b256.json").write_text(json.dumps(point))
+    frontier.build(tmp_path)
+    header, rows = frontier_rows(tmp_path)
+    assert header[3:7] == ["step time / exact (real lengths, 40% real tokens)",
+                           "step time / exact, padding skipped (real lengths, 40% real tokens)",
+                           "step time / exact (full-length rows)",
+                           "step time / exact, padding skipped (full-length rows)"]
+    skip = rows["exact, padding skipped"]
+    assert skip[1:7] == ["0.750", "0 (exact gradients)", "0.80x", "1.00x", "1.02x", "1.00x"]
+    # ours / exact-skip per round: 0.72/0.8, 0.6/0.8, 0.9/0.9 = 0.9, 0.75, 1.0 (median 0.90);
+    # full rows: 0.9/1.02, 0.918/1.02, 0.95/1.02 (median 0.90)
+    assert rows["blocksrht (ours) 0.1"][3:7] == ["0.72x", "0.90x", "0.92x", "0.90x"]
+    assert rows["exact"][3:7] == ["1.00x", "1.25x", "1.00x", "0.98x"]
+    # int4 was timed only in a run without exact-skip: no ratio against it
+    assert rows["int4"][3:5] == ["0.81x", "-"]
+    text = (tmp_path / "tables" / "frontier.md").read_text()
+    assert "rows: the task's real lengths (40.0% real tokens, MRPC dev, test tokenizer)" in text
+    assert "rows: full-length (no padding)" in text and "pooled over model_cpu_skip" in text
+
+    # Without a full-length run the table says they were not timed, and how to time them.
+    (tmp_path / "bench" / "model_cpu_full.json").unlink()
+    frontier.build(tmp_path)
+    header, rows = frontier_rows(tmp_path)
+    assert not any("full-length" in h for h in header)
+    text = (tmp_path / "tables" / "frontier.md").read_text()
+    assert "Full-length rows: not timed (rerun: `python scripts/bench_model.py --models " \
+           "roberta-base --methods exact,exact-skip," in text and "--rows full" in text
+    from sketchprop.report.summary import frontier_summary
+
+    assert "Full-length rows were not timed" in frontier_summary(tmp_path / "tables" /
+                                                                 "frontier.csv")
+
+    # Table 3 and Table 4: the row, the column against exact-skip, the rows' note.
+    from sketchprop.report.table4 import table4
+
+    table3(memory, tmp_path / "tables", tmp_path / "bench")
+    lines = (tmp_path / "tables" / "table3.md").read_text().splitlines()
+    t3 = {line.split(" | ")[2]: line for line in lines if line.startswith("| cola (256) |")}
+    assert "| 300 / - / - / - | 25% / - / - / - |" in t3["exact, padding skipped"]
+    assert "| 0.80 / - / - / - | 1.00 / - / - / - |" in t3["exact, padding skipped"]
+    assert "| 1.00 / - / - / 0.72 | 1.25 / - / - / 0.90 |" in t3["ours (blocksrht)"]
+    assert "rows: the task's real lengths (40.0% real tokens" in lines[2]
+    for path in (tmp_path / "bench").glob("*.json"):  # the same runs, of MiniLM
+        path.write_text(path.read_text().replace('"roberta-base"', '"minilm"'))
+    runs = common.load_runs(tmp_path / "runs")
+    table4(runs, "minilm_cpu", tmp_path / "tables" / "table4", tmp_path / "bench")
+    t4 = (tmp_path / "tables" / "table4.md").read_text()
+    assert "| exact | padding skipped | - | exact's (exact gradients) | - | - | " \
+           "0.80 (0.80-0.85) | 1.00 |" in t4
+    assert "minilm step time / exact, padding skipped (bench)" in t4
+    assert "rows: the task's real lengths (40.0% real tokens" in t4
 
 
 def test_blocks_are_embedded_wherever_their_markers_are(tmp_path):

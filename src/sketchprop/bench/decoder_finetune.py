@@ -220,7 +220,8 @@ def tables(payload: dict) -> str:
             f"{r['max_abs_loss_diff']:.2e}" if "max_abs_loss_diff" in r else "",
             *[f"{dev[s]:.4f}" for s in steps]])
     title = (f"{payload['model']}, fine-tuned on SST-2's training sentences as text: {a['steps']} "
-             f"steps of {a['batch']} x {a['length']} tokens, AdamW lr {a['lr']:g} (warm-up "
+             f"steps of {a['batch']} x {a['length']} tokens (rows: full-length blocks, no padding: "
+             f"exact, padding skipped, does exact's work), AdamW lr {a['lr']:g} (warm-up "
              f"{a['warmup']}), seed {a['seed']}; dev loss on {payload['dev_blocks']} held-out "
              f"blocks; ours: {a['sketch']} rho {a['rho']:g}")
     return fmt_table(head, lines, title=title) + "\n"
@@ -289,14 +290,16 @@ def figure(payload: dict, path: Path, window: int = 20) -> None:
 def run(args) -> None:
     """The fine-tuning as ``scripts/decoder_finetune.py`` runs it (its options in ``args``):
     write ``decoder_finetune[_quick]<tag>.{json,md}`` and the figure, print the table; or, with
-    ``args.replot``, only draw the figure and print the table from an earlier run's JSON file. Bad
-    options raise :class:`BadArgs` before any model is built."""
+    ``args.replot``, only draw the figure and rewrite the table (``.md`` beside it) from an earlier
+    run's JSON file. Bad options raise :class:`BadArgs` before any model is built."""
     if args.replot:
         payload = json.loads(Path(args.replot).read_text())
         if not (args.figure or not payload["args"]["quick"]):
             raise BadArgs("--replot of a --quick run needs --figure (the default is the committed "
                           "figure's path)")
         figure(payload, Path(args.figure or FIGURE))
+        path = Path(args.replot)
+        write_outputs(path.stem, payload, tables(payload), path.parent)
         print(tables(payload))
         return
     for name in ("steps", "batch", "length", "eval_every", "eval_blocks", "warmup"):

@@ -1,8 +1,9 @@
 """Compact activations on decoder LMs: what one training step saves for backward, by op, and its
 time, for a GPT-2-small-shaped and a Llama-shaped model with grouped-query attention.
 
-Random weights built from a config (no download), full sequences of random tokens, labels the
-inputs (transformers shifts them), CPU, SDPA attention as transformers picks it. Methods:
+Random weights built from a config (no download), full sequences of random tokens (every row full
+length, no padding: exact skips nothing, so it is also the baseline with padding skipped), labels
+the inputs (transformers shifts them), CPU, SDPA attention as transformers picks it. Methods:
 
 - ``exact``: the model as it is;
 - ``compact``: ``patch_activations(model)`` with its defaults (what applies to the model);
@@ -31,11 +32,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import re
 import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -275,7 +278,8 @@ def tables(payload: dict) -> str:
             lines.append(line)
         title = (f"{arch}: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} query / "
                  f"{s['kv_heads']} key-value heads, MLP {s['intermediate']}, vocabulary "
-                 f"{s['vocab']}; random weights, batch {a['batch']} x {a['length']} tokens, CPU "
+                 f"{s['vocab']}; random weights, batch {a['batch']} x {a['length']} tokens, "
+                 "rows: full-length (no padding: exact, padding skipped, does exact's work), CPU "
                  f"({payload['environment']['torch_threads']} threads); ours: {a['sketch']} "
                  f"rho {a['rho']:g}")
         parts.append(fmt_table(head, lines, title=title))
@@ -284,9 +288,14 @@ def tables(payload: dict) -> str:
 
 def run(args) -> None:
     """The measurement as ``scripts/decoders.py`` runs it (its options in ``args``): write
-    ``decoders[_quick]<tag>.{json,md}`` and print the tables. Bad options (an unknown architecture,
-    a method that cannot be set up, no ``exact``) raise :class:`BadArgs` before any model is
-    built."""
+    ``decoders[_quick]<tag>.{json,md}`` and print the tables; or, with ``args.retable``, rewrite an
+    earlier run's tables from its JSON file. Bad options (an unknown architecture, a method that
+    cannot be set up, no ``exact``) raise :class:`BadArgs` before any model is built."""
+    if args.retable:
+        path = Path(args.retable)
+        payload = json.loads(path.read_text())
+        write_outputs(path.stem, payload, tables(payload), path.parent)
+        return
     args.methods = split_methods(args.methods)
     if "exact" not in args.methods:
         raise BadArgs("--methods must include exact: every ratio is to it")

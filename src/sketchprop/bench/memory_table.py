@@ -14,10 +14,12 @@ ids of those lengths. Per point and method:
   optimizer state already allocated) in a fresh process: peak RSS on CPU, the CUDA allocator's
   peak on a GPU. This is what the paper's Table 3 measures on its GPU.
 
-Methods (``--methods``): ``exact``; ``paper`` (the authors' layout: Gaussian in every ``nn.Linear``
-including the head, one sketch per layer, padding rows sketched, ``B_proj >= 3``) and ``ours``
-(``--sketch``, the recommended one: Q/K/V share one sketch, padding rows skipped, head exact), each
-at rho 0.5, 0.2, 0.1; ``ckpt`` (the exact model with HF activation checkpointing,
+Methods (``--methods``): ``exact``; ``exact-skip`` (the exact sketch on every linear layer but the
+head, padding rows left out of what it stores: exact gradients, as ``method=exact``); ``paper``
+(the authors' layout: Gaussian in every ``nn.Linear`` including the head, one sketch per layer,
+padding rows sketched, ``B_proj >= 3``) and ``ours`` (``--sketch``, the recommended one: Q/K/V
+share one sketch, padding rows skipped, head exact), each at rho 0.5, 0.2, 0.1; ``ckpt`` (the
+exact model with HF activation checkpointing,
 ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``: each
 encoder layer keeps only its input and recomputes the rest in backward) and ``ckpt+ours``
 (checkpointing and our layers together, at each rate). The saved-tensor hooks see what
@@ -87,10 +89,11 @@ MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest
 # kept as b-bit codes, as the pipeline's ``method=exact method.bits=<b>``), with compact
 # activations and with checkpointing.
 BITS_KINDS = tuple(f"int{b}{extra}" for extra in ("", "+compact", "+ckpt") for b in (8, 4, 2))
-METHOD_KINDS = ("exact", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+compact",
+METHOD_KINDS = ("exact", "exact-skip", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+compact",
                 "ckpt+ours+compact", "lora", "lora+ckpt", "lora+ours", "lora+ours+compact",
                 *BITS_KINDS)
-SINGLE = ("exact", "ckpt", "compact", "lora", "lora+ckpt", *BITS_KINDS)  # one record per point
+SINGLE = ("exact", "exact-skip", "ckpt", "compact", "lora", "lora+ckpt",  # one record per point
+          *BITS_KINDS)
 PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  # one per rate
            "lora+ours", "lora+ours+compact")
 # patch_activations' defaults for the parts roberta-base has (the decoder parts have nothing to
@@ -112,7 +115,7 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for kind in SINGLE:
         if kind in kinds:
-            out[kind] = {"patch": bits_patch(kind), "ckpt": "ckpt" in kind.split("+")}
+            out[kind] = {"patch": single_patch(kind), "ckpt": "ckpt" in kind.split("+")}
     for kind in PER_RHO:
         if kind not in kinds:
             continue
@@ -134,9 +137,12 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     return out
 
 
-def bits_patch(kind: str) -> dict | None:
-    """``patch_linear`` keywords of a ``int<b>...`` kind (None for the other single kinds)."""
+def single_patch(kind: str) -> dict | None:
+    """``patch_linear`` keywords of ``exact-skip`` and the ``int<b>...`` kinds (None for the other
+    single kinds)."""
     base = kind.split("+")[0]
+    if base == "exact-skip":
+        return dict(sketch="exact", rho=1.0, exclude="classifier")
     if not base.startswith("int"):
         return None
     return dict(sketch="exact", rho=1.0, exclude="classifier", bits=int(base[3:]))

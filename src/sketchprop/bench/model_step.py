@@ -6,13 +6,17 @@ The batch is ``--batch x --seq`` tokens (16 x 128), padded as real batches are: 
 ``--batch`` examples drawn (fixed seed) from a GLUE dev set in ``--glue-dir`` (MRPC by default,
 tokenized with MiniLM's tokenizer; a whitespace word count where that tokenizer is missing; a fixed
 profile of MRPC lengths where the folder is missing). MiniLM gets the real token ids; roberta-base,
-whose tokenizer is not available offline, random ids with the same lengths.
+whose tokenizer is not available offline, random ids with the same lengths. ``--rows full``: the
+same batch with every padding position given a random token and the attention mask all ones, so
+that skipping padding saves nothing and each method's ratio is its own cost.
 
 Methods (``--methods``, comma-separated; ``{sk}`` is ``--sketch``, rates from ``--rhos``):
 
 - ``exact``: plain ``nn.Linear``. ``ckpt``: exact with HF activation checkpointing.
 - ``exact-skip``: the ``exact`` sketch (no randomness, exact gradients) with ``skip_padding``: the
   layers store and multiply only the non-padding rows of ``X`` (padding rows have zero gradient).
+  On padded rows it is the fair baseline of the methods that skip padding rows too (``ours``,
+  ``int<b>``): the tables add each method's time against it, round by round, when it is timed.
 - ``paper``: the paper's scheme: dense Gaussian sketch in every ``nn.Linear`` including the
   classifier head, one sketch per layer (``share_inputs=False``), padding rows sketched
   (``skip_padding=False``), ``B_proj >= 3`` as in the authors' code.
@@ -57,6 +61,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -126,12 +131,27 @@ def run(args) -> None:
     print("\n" + text)
 
 
+def step_batch(model_name: str, model, args) -> tuple[dict, dict]:
+    """The batch of :func:`~sketchprop.bench.models.make_batch`; with ``args.rows == "full"`` every
+    padding position given a random token (fixed seed) and the attention mask all ones."""
+    batch, info = make_batch(model_name, model, args)
+    if args.rows == "full":
+        mask = batch["attention_mask"]
+        g = torch.Generator().manual_seed(1)
+        fill = torch.randint(3, model.config.vocab_size, mask.shape, generator=g)
+        batch = {**batch, "input_ids": torch.where(mask.bool(), batch["input_ids"], fill),
+                 "attention_mask": torch.ones_like(mask)}
+        info = {"lengths": [args.seq] * args.batch, "source": "every row full length",
+                "real_fraction": 1.0}
+    return batch, info
+
+
 def run_model(model_name: str, args, dev) -> dict:
     """Every asked part of every method on one model: its record in the run's JSON."""
     dtype = AUTOCAST[args.autocast]
     print(f"\n=== {model_name} ===", flush=True)
     model = build_model(model_name, args.quick).to(dev).train()
-    batch, info = make_batch(model_name, model, args)
+    batch, info = step_batch(model_name, model, args)
     batch = to_device(batch, dev)
     print(f"batch {args.batch}x{args.seq}, lengths from {info['source']}, real tokens "
           f"{pct(info['real_fraction'])}", flush=True)
@@ -193,7 +213,7 @@ def memory_in_process(model_name, method, args, dev) -> dict:
     """CUDA: the allocator's peak can be reset, so one process serves every method."""
     torch.cuda.empty_cache()
     model = build_model(model_name, args.quick).to(dev).train()
-    batch, _ = make_batch(model_name, model, args)
+    batch, _ = step_batch(model_name, model, args)
     batch = to_device(batch, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     torch.cuda.synchronize(dev)
@@ -210,8 +230,28 @@ def memory_in_process(model_name, method, args, dev) -> dict:
     return res
 
 
+def versus_skip(ms: dict, name: str) -> list[float] | None:
+    """Method ``name``'s per-round time over ``exact-skip``'s in the same round (both bracketed by
+    the same exact samples), None where either was not timed."""
+    t, skip = ms[name].get("time"), ms.get("exact-skip", {}).get("time")
+    if not t or not skip:
+        return None
+    if name == "exact":
+        return [1 / r for r in skip["ratios"]]
+    return [a / b for a, b in zip(t["ratios"], skip["ratios"], strict=True)]
+
+
+def rows_line(batch: dict) -> str:
+    """Which rows the step timed, and against which baselines."""
+    if batch["real_fraction"] >= 1.0:
+        return "Rows: full-length (no padding): skipping padding saves nothing."
+    return (f"Rows: the task's real lengths ({pct(batch['real_fraction'])} real tokens), padded to "
+            "the batch's length: exact multiplies the padding rows, exact-skip and the methods "
+            "that skip padding (ours, int<b>) do not.")
+
+
 def tables(results: list[dict], args) -> str:
-    """The markdown tables of a run: one per model, and the analytic limit's note."""
+    """The markdown tables of a run: one per model, its rows' note, and the analytic limit's."""
     parts = []
     for res in results:
         ms = res["methods"]
@@ -220,8 +260,11 @@ def tables(results: list[dict], args) -> str:
         have_t = "time" in ex
         have_b = "saved_bytes" in ex
         have_m = "memory" in ex
+        have_skip = have_t and bool(ms.get("exact-skip", {}).get("time"))
         if have_t:
             headers += ["step s", "time vs exact (range)"]
+        if have_skip:
+            headers += ["time vs exact-skip (range)"]
         if have_b:
             headers += ["saved MiB", "saved % exact", "limit % exact", "gap pp"]
         if have_m:
@@ -239,6 +282,9 @@ def tables(results: list[dict], args) -> str:
                     row += [f"{t['median_s']:.2f}", "1"]
                 else:
                     row += ["", ""]
+            if have_skip:
+                vs = versus_skip(ms, name)
+                row += [f"{statistics.median(vs):.3f} ({min(vs):.2f}-{max(vs):.2f})" if vs else ""]
             if have_b:
                 b = m["saved_bytes"]
                 row += [f"{b / 2**20:.1f}", pct(b / ex["saved_bytes"])]
@@ -260,6 +306,13 @@ def tables(results: list[dict], args) -> str:
         title = (f"{res['model']}: one training step at {args.batch}x{args.seq}, "
                  f"{pct(b['real_fraction'])} real tokens ({b['source']})")
         parts.append(fmt_table(headers, rows, title))
+        if have_t:
+            parts.append(rows_line(b) + (
+                " 'time vs exact-skip': each round's time over that of exact with padding rows "
+                "skipped (exact gradients) in the same round." if have_skip else
+                " Exact with padding rows skipped (exact-skip) was not timed in this run: the "
+                "ratios are against exact alone (add exact-skip to --methods)."
+                if b["real_fraction"] < 1.0 else ""))
         if "analytic" in res:
             a = res["analytic"]
             parts.append(
@@ -276,7 +329,8 @@ def memory_in_subprocess(model_name: str, method: dict, args) -> dict:
     """CPU: two training steps of one method in a fresh process (:func:`memory_child`)."""
     request = {"method": method, "model": model_name, "device": args.device,
                "threads": args.threads, "autocast": args.autocast, "quick": args.quick,
-               "batch": args.batch, "seq": args.seq, "task": args.task, "glue_dir": args.glue_dir}
+               "batch": args.batch, "seq": args.seq, "task": args.task, "glue_dir": args.glue_dir,
+               "rows": args.rows}
     return run_child(__name__, request, method["name"])
 
 
@@ -290,7 +344,7 @@ def memory_child(request: dict) -> dict:
     args = SimpleNamespace(**request)
     dev = setup_device(args.device, args.threads, quiet=True)
     model = build_model(args.model, args.quick).to(dev).train()
-    batch, _ = make_batch(args.model, model, args)
+    batch, _ = step_batch(args.model, model, args)
     batch = to_device(batch, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gc.collect()

@@ -1,11 +1,11 @@
 """Pick by budget: the largest batch each memory-saving configuration fits in a memory budget, and
 how fast it trains, for one model and one GLUE task.
 
-For the exact model, ours (``--sketch``, the recommended layout: Q/K/V share one sketch, padding
-rows skipped, head exact) at each rate, activation checkpointing, and checkpointing + ours; the
-exact model and each of the last two also with compact activations (``patch_activations``'
-defaults); and the exact sketch with its stored rows as 8-, 4- or 2-bit codes (``bits``), and
-4-bit with compact activations:
+For the exact model, exact with padding rows skipped (exact gradients), ours (``--sketch``, the
+recommended layout: Q/K/V share one sketch, padding rows skipped, head exact) at each rate,
+activation checkpointing, and checkpointing + ours; the exact model and each of the last two also
+with compact activations (``patch_activations``' defaults); and the exact sketch with its stored
+rows as 8-, 4- or 2-bit codes (``bits``), and 4-bit with compact activations:
 
 - **fixed part**, measured on the model: the bytes of its weights, of their gradients and of AdamW's
   two moments, allocated for real (a step on zero gradients) and summed;
@@ -22,7 +22,8 @@ defaults); and the exact sketch with its stored rows as 8-, 4- or 2-bit codes (`
   example)``, rounded down;
 - **step time / exact** from the controlled benchmark (``results/bench/model_*.json`` of
   ``scripts/bench_model.py``: one process, interleaved with the exact model, median of the
-  bracketed ratios, pooled over runs; its batch shape, not this task's).
+  bracketed ratios, pooled over runs; its batch shape and rows, which the output names, not this
+  task's), and **/ exact, padding skipped** where a run timed the configuration beside it.
 
 The configuration marked ``<- fastest that fits`` is the fastest of those whose largest batch
 reaches ``--batch``. Not in the estimate: the framework's own memory (CUDA context, allocator
@@ -46,7 +47,7 @@ import torch
 from ..bench import memory_table as mt
 from ..bench.common import BadArgs, setup_device
 from ..bench.models import build_model, minilm_path
-from .common import bench_step_ratios, fmt_ratio
+from .common import EXACT_SKIP, bench_step_ratios, fmt_ratio, rerun_step, rows_text, skip_note
 
 RHOS = mt.RHOS
 # GLUE folder of each task name (Hydra's names and the folder names both work).
@@ -103,9 +104,10 @@ BITS = ("int8", "int4", "int2", "int4+compact")
 def configurations(sketch: str) -> dict[str, dict]:
     """Name -> memory_table method, in the order they are printed."""
     all_methods = mt.methods(sketch)
-    names = ["exact", "compact", *[f"{kind}@{r:g}" for kind in ("ours", "ours+compact") for r in RHOS],
-             "ckpt", *[f"{kind}@{r:g}" for kind in ("ckpt+ours", "ckpt+ours+compact")
-                       for r in RHOS], *BITS]
+    names = ["exact", EXACT_SKIP, "compact",
+             *[f"{kind}@{r:g}" for kind in ("ours", "ours+compact") for r in RHOS], "ckpt",
+             *[f"{kind}@{r:g}" for kind in ("ckpt+ours", "ckpt+ours+compact") for r in RHOS],
+             *BITS]
     return {n: all_methods[n] for n in names}
 
 
@@ -162,8 +164,9 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
         per_example = per_token * l_max + recompute
         room = budget - fixed
         largest = max(0, math.floor(room / per_example)) if room > 0 else 0
-        bench = {"exact": "exact", "compact": "compact", "ckpt": "ckpt", "ours": f"ours-{sketch}",
-                 "ckpt+ours": f"ckpt+ours-{sketch}", "ours+compact": f"ours-{sketch}+compact",
+        bench = {"exact": "exact", EXACT_SKIP: EXACT_SKIP, "compact": "compact", "ckpt": "ckpt",
+                 "ours": f"ours-{sketch}", "ckpt+ours": f"ckpt+ours-{sketch}",
+                 "ours+compact": f"ours-{sketch}+compact",
                  "ckpt+ours+compact": f"ckpt+ours-{sketch}+compact", **{b: b for b in BITS}}[kind]
         bench = bench if not rho else f"{bench}@{rho}"
         rows.append({"name": name, "kind": kind, "rho": float(rho) if rho else None,
@@ -177,7 +180,8 @@ def plan(saved: dict[str, int], padded_tokens: int, fixed: int, layers: int, l_m
     return rows
 
 
-LABELS = {"exact": "exact", "compact": "compact activations", "ours": "ours", "ckpt": "checkpointing",
+LABELS = {"exact": "exact", EXACT_SKIP: "exact, padding skipped",
+          "compact": "compact activations", "ours": "ours", "ckpt": "checkpointing",
           "ckpt+ours": "checkpointing + ours", "ours+compact": "ours + compact activations",
           "ckpt+ours+compact": "checkpointing + ours + compact activations",
           "int8": "exact, 8-bit rows", "int4": "exact, 4-bit rows", "int2": "exact, 2-bit rows",
@@ -200,12 +204,14 @@ def render(rows: list[dict], meta: dict) -> str:
              f"{meta['fixed']['weights'] / mib:.0f} MiB + gradients "
              f"{meta['fixed']['grads'] / mib:.0f} MiB + AdamW state "
              f"{meta['fixed']['adamw_state'] / mib:.0f} MiB = "
-             f"{meta['fixed']['total'] / mib:.0f} MiB. Step time / exact: {meta['bench_desc']}.",
+             f"{meta['fixed']['total'] / mib:.0f} MiB. Step time / exact: {meta['bench_desc']}",
              "", "| configuration | rho | saved KiB per padded token | recompute MiB per example "
              f"| largest batch in {meta['budget_gib']:g} GiB | GiB at batch {meta['batch']} "
-             "| step time / exact (bench) | |", "|---|---|---|---|---|---|---|---|"]
+             "| step time / exact (bench) | step time / exact, padding skipped (bench) | |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         time = fmt_ratio(r["time"])
+        skip = fmt_ratio((r["time"] or {}).get("skip"))
         mark = ("**<- fastest that fits**" if r["fastest"] else
                 ("fits" if r["fits"] else f"does not fit batch {meta['batch']}"))
         rho = "-" if r["rho"] is None else f"{r['rho']:g}"
@@ -213,7 +219,8 @@ def render(rows: list[dict], meta: dict) -> str:
                      else f"{r['recompute_per_example'] / mib:.2f}")
         lines.append(
             f"| {LABELS[r['kind']]} | {rho} | {r['per_token'] / 1024:.1f} | {recompute} | "
-            f"{r['largest_batch']} | {r['memory_at_batch'] / 2**30:.2f} | {time} | {mark} |")
+            f"{r['largest_batch']} | {r['memory_at_batch'] / 2**30:.2f} | {time} | {skip} | "
+            f"{mark} |")
     if not any(r["fastest"] for r in rows):
         lines += ["", f"No configuration fits batch {meta['batch']} in {meta['budget_gib']:g} GiB."]
     lines += ["", "Not in the estimate: the framework's own memory (CUDA context, allocator slack, "
@@ -286,8 +293,10 @@ def run(args, command: str) -> str:
     info = ratios.get("_info")
     bench_desc = (f"{args.model} training step at {info['batch']} tokens ({info['source']}), "
                   f"{info['threads']} torch thread(s), {info['device']}, median (interquartile "
-                  f"range) of the bracketed ratios pooled over {', '.join(info['runs'])}"
-                  if info else "no benchmark file for this model")
+                  f"range) of the bracketed ratios pooled over {', '.join(info['runs'])}; "
+                  f"{rows_text(info)}. Exact multiplies its padding rows; ours and the b-bit rows "
+                  "skip them. " + skip_note(info, rerun_step(args.model))
+                  if info else "no benchmark file for this model.")
     rows = plan(saved, padded, fixed["total"], encoder_layers(model), l_max,
                 int(args.budget_gib * GIB), args.batch, ratios, args.sketch)
     meta = {"command": command, "model": args.model, "task": task, "budget_gib": args.budget_gib,

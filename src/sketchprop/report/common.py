@@ -7,8 +7,9 @@ statistics, the controlled benchmark's ratios, formatting, and writing tables an
   :func:`method_key` / :func:`key_of` (a method's sort key, from a run or by name),
   :func:`method_label`, :func:`score` (the paper's metric per task);
 - paired statistics: :func:`paired` (differences seed by seed), :class:`Paired`, :func:`verdict`;
-- the controlled benchmark (``results/bench``): :func:`bench_step_ratios`,
-  :func:`bench_layer_ratios`, :func:`fmt_ratio`;
+- the controlled benchmark (``results/bench``): :func:`bench_step_ratios` (against exact, and
+  against :data:`EXACT_SKIP` where a run timed it), :func:`rows_text`, :func:`skip_note`,
+  :func:`rerun_step`, :func:`bench_layer_ratios`, :func:`fmt_ratio`;
 - writing: :func:`write_table` (markdown and CSV), :func:`describe` (where and how runs were made),
   :func:`pyplot` and :func:`save_figure` (PNG files without timestamps: the same input gives the
   same bytes).
@@ -350,39 +351,118 @@ def _ratio_stats(ratios: list[float]) -> dict:
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2], "n": len(ratios)}
 
 
-def bench_step_ratios(bench_dir: Path, model: str) -> dict[str, dict]:
-    """Training-step time / exact per method for ``model``, pooled over the committed runs of
-    scripts/bench_model.py (``model_*.json``, not ``--quick``) that timed it in the same setting
-    (batch, device, torch threads; the setting with the most runs wins): ``{method: {ratio, q1,
-    q3, n}}`` (median and quartiles of the bracketed per-sample ratios) and ``"_info"``."""
+#: The step benchmark's name of the exact model with padding rows skipped (the ``exact`` sketch with
+#: ``skip_padding``: exact gradients, only the non-padding rows stored and multiplied): the fair
+#: baseline of a configuration that skips padding rows itself.
+EXACT_SKIP = "exact-skip"
+#: Row kinds of a step benchmark's batch: every row full length, or the task's real lengths.
+FULL, REAL = "full", "real"
+
+
+def rows_kind(batch: dict) -> str:
+    """:data:`FULL` where every row of a benchmark batch is real tokens, else :data:`REAL`."""
+    return FULL if batch.get("real_fraction", 0.0) >= 1.0 else REAL
+
+
+def rows_text(info: dict) -> str:
+    """Which rows a step benchmark timed, from its ``_info``: ``rows: full-length`` or ``rows: the
+    task's real lengths (39.4% real tokens, MRPC dev, ...)``."""
+    if info.get("rows") == FULL:
+        return "rows: full-length (no padding)"
+    frac = info.get("real_fraction")
+    share = f"{100 * frac:.1f}% real tokens, " if frac is not None else ""
+    return f"rows: the task's real lengths ({share}{info.get('source', '?')})"
+
+
+def _versus_skip(ratios: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each method's per-round time over :data:`EXACT_SKIP`'s in the same round of one run (both
+    bracketed by the same exact baseline, one sample each per round), or nothing where the run
+    did not time it."""
+    skip = ratios.get(EXACT_SKIP)
+    if not skip:
+        return {}
+    out = {name: [a / b for a, b in zip(rs, skip, strict=True)]
+           for name, rs in ratios.items() if name != "exact"}
+    out["exact"] = [1 / b for b in skip]
+    return out
+
+
+def bench_step_ratios(bench_dir: Path, model: str, rows: str = REAL) -> dict[str, dict]:
+    """Training-step time / exact per method for ``model`` on ``rows`` (:data:`REAL` or
+    :data:`FULL`), pooled over the committed runs of scripts/bench_model.py (``model_*.json``, not
+    ``--quick``) that timed it in the same setting (batch, its lengths, device, torch threads; the
+    setting with the most runs wins): ``{method: {ratio, q1, q3, n}}`` (median and quartiles of the
+    bracketed per-sample ratios) and ``"_info"`` (the setting, its ``rows`` and the ``runs``).
+    A method timed in a run that also timed :data:`EXACT_SKIP` has ``"skip"`` too: the same
+    statistics of its per-round time over exact-skip's, pooled over those runs (``skip_runs``)."""
     by_setting: dict[tuple, dict] = {}
     for path in sorted(bench_dir.glob("model_*.json")) if bench_dir.exists() else []:
         if "_quick" in path.stem:
             continue
         data = json.loads(path.read_text())
         args, env = data.get("args", {}), data.get("environment", {})
-        setting = (args.get("batch"), args.get("seq"), args.get("task"),
-                   env.get("torch_threads"), env.get("device"))
         for res in data.get("results", []):
             timed = {n: m["time"]["ratios"] for n, m in res.get("methods", {}).items()
                      if m.get("time")}
-            if res.get("model") != model or not timed:
+            batch = res.get("batch", {})
+            if res.get("model") != model or not timed or rows_kind(batch) != rows:
                 continue
+            setting = (args.get("batch"), args.get("seq"), args.get("task"),
+                       env.get("torch_threads"), env.get("device"), batch.get("source"),
+                       batch.get("real_fraction"))
             entry = by_setting.setdefault(setting, {
-                "pooled": defaultdict(list),
+                "pooled": defaultdict(list), "skip": defaultdict(list),
                 "info": {"batch": f"{setting[0]}x{setting[1]}", "threads": setting[3],
-                         "source": res.get("batch", {}).get("source", "?"),
-                         "device": env.get("cpu") or setting[4], "runs": []}})
+                         "source": batch.get("source", "?"), "rows": rows,
+                         "real_fraction": batch.get("real_fraction"),
+                         "device": env.get("cpu") or setting[4], "runs": [], "skip_runs": []}})
             entry["info"]["runs"].append(path.stem)
             for name, ratios in timed.items():
                 entry["pooled"][name] += ratios
+            versus = _versus_skip(timed)
+            if versus:
+                entry["info"]["skip_runs"].append(path.stem)
+            for name, ratios in versus.items():
+                entry["skip"][name] += ratios
     if not by_setting:
         return {}
     best = max(by_setting.values(), key=lambda e: (len(e["info"]["runs"]),
                                                    sum(map(len, e["pooled"].values()))))
     out = {name: _ratio_stats(r) for name, r in best["pooled"].items() if r}
+    for name, r in best["skip"].items():
+        out[name]["skip"] = _ratio_stats(r)
     out["_info"] = best["info"]
     return out
+
+
+# Every configuration a step-time table shows, for a run that times them all beside exact-skip.
+RERUN_METHODS = ("exact,exact-skip,ckpt,paper,ours,ckpt+ours,compact,ours+compact,"
+                 "ckpt+ours+compact,int8,int4,int2,int4+compact")
+
+
+def rerun_step(model: str, rows: str = REAL, extra: str = "") -> str:
+    """The scripts/bench_model.py command that times every configuration of the tables (and the
+    ``extra`` methods) beside exact-skip on ``rows``, in one run."""
+    full = rows == FULL
+    return (f"python scripts/bench_model.py --models {model} --methods {RERUN_METHODS}{extra} "
+            f"--parts time --threads 1{' --rows full' if full else ''} "
+            f"--tag _{model.split('-')[0]}_fair{'_full' if full else ''}")
+
+
+def skip_note(info: dict, rerun: str) -> str:
+    """What a table says about its exact-with-padding-skipped baseline: the runs that timed it
+    beside the configurations, or that none did and the command that would."""
+    full = ("On full-length rows there is no padding to skip: exact, padding skipped does the same "
+            "work as exact. " if info.get("rows") == FULL else "")
+    if info.get("skip_runs"):
+        return (full + "'/ exact, padding skipped': the per-round time over that of exact with "
+                "padding rows skipped (exact gradients, only the non-padding rows stored and "
+                f"multiplied) in the same round, pooled over {', '.join(info['skip_runs'])}; '-' "
+                "where no run timed the configuration beside it (rerun: `" + rerun + "`).")
+    if full:
+        return full.rstrip()
+    return ("Exact with padding rows skipped was not timed in these runs: the ratios are against "
+            "exact, which multiplies the padding rows too (rerun: `" + rerun + "`).")
 
 
 def bench_layer_ratios(bench_dir: Path, shape: tuple[str, int] = BENCH_LAYER,

@@ -1,8 +1,9 @@
 """Table 3: the bytes autograd saves for backward (and, where measured, the peak of a training
 step) per task and batch for roberta-base, for the paper's layout, ours, checkpointing, compact
-activations, LoRA and b-bit stored rows, with the step time against exact from the controlled
-benchmark and the paper's Table 3 beside it. Read from the point files of
-``scripts/memory_table.py`` (``results/memory``).
+activations, LoRA, b-bit stored rows and exact with padding rows skipped, with the step time
+against exact and against exact with padding skipped from the controlled benchmark (and the rows it
+timed: full-length or the task's real lengths), and the paper's Table 3 beside it. Read from the
+point files of ``scripts/memory_table.py`` (``results/memory``).
 
 Writes ``results/tables/table3.md|csv``, and ``table3_roberta.md|csv`` from training runs
 (``experiment=table3``, GPU peaks) where present.
@@ -14,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .common import (
+    EXACT_SKIP,
     RATES,
     bench_step_ratios,
     describe,
@@ -21,9 +23,14 @@ from .common import (
     load_memory,
     method_label,
     peak,
+    rerun_step,
+    rows_text,
     scheme,
+    skip_note,
     write_table,
 )
+
+RERUN_MEMORY = "python scripts/memory_table.py --points table3 --parts bytes --methods exact-skip"
 
 # The paper's Table 3 (Bershatsky et al. 2022): peak GPU memory in GiB over one epoch, roberta-base,
 # Gaussian sketch; MRPC's exact value from the authors' README, values marked "~" read off their
@@ -45,6 +52,10 @@ def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None
                   "blocksrht")
     fams = [("paper layout (Gaussian)", "paper", p["exact"], p["paper"], "exact", "paper"),
             (f"ours ({sketch})", "ours", p["exact"], p["ours"], "exact", f"ours-{sketch}")]
+    # Exact with padding rows skipped (exact gradients): one record, in the 'none' column; a row
+    # even where the point lacks it, so that the table says it was not measured.
+    fams.append(("exact, padding skipped", EXACT_SKIP, p.get(EXACT_SKIP) or {}, {}, EXACT_SKIP,
+                 None))
     optional = [
         (f"checkpointing + ours ({sketch})", "ckpt+ours", p.get("ckpt"), "ckpt",
          f"ckpt+ours-{sketch}"),
@@ -84,6 +95,7 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
               "analytic limit saving 0.5 / 0.2 / 0.1", "peak MiB none / 0.5 / 0.2 / 0.1",
               "peak saving vs exact none / 0.5 / 0.2 / 0.1",
               "step time / exact none / 0.5 / 0.2 / 0.1 (bench)",
+              "step time / exact, padding skipped none / 0.5 / 0.2 / 0.1 (bench)",
               "paper GPU GiB none / 0.5 / 0.2 / 0.1", "paper peak saving 0.5 / 0.2 / 0.1"]
     rows = []
     for p in sorted(points, key=lambda p: (p["task"], p["batch_size"])):
@@ -112,6 +124,8 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
                            for v in peaks) if any(peaks) else "-",
                 " / ".join("-" if t is None else f"{t['ratio']:.2f}" for t in times)
                 if any(times) else "-",
+                " / ".join("-" if t is None or "skip" not in t else f"{t['skip']['ratio']:.2f}"
+                           for t in times) if any(t and "skip" in t for t in times) else "-",
                 " / ".join(paper) if paper else "-", paper_saving,
             ])
     kinds = sorted({p["exact"]["peak_memory"]["kind"] for p in points if peak(p["exact"])})
@@ -128,9 +142,13 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
         f"roberta-base (random weights) at {info['batch']} tokens ({info['source']}), "
         f"{info['threads']} torch thread(s), {info['device']}: one process, each configuration "
         "interleaved with the exact model, the median of the bracketed per-sample ratios pooled "
-        f"over {', '.join(info['runs'])} (results/bench). It is one batch shape, not each "
-        "point's; checkpointing there is the reentrant variant, which keeps the same bytes."
-        if info else "'step time': no benchmark file.")
+        f"over {', '.join(info['runs'])} (results/bench); {rows_text(info)}. It is one batch "
+        "shape, not each point's; checkpointing there is the reentrant variant, which keeps the "
+        "same bytes. Exact multiplies its padding rows; ours and the b-bit rows skip them. "
+        + skip_note(info, rerun_step("roberta-base")) if info else "'step time': no benchmark file.")
+    if not all(p.get(EXACT_SKIP) for p in points):
+        bench_text += (" 'exact, padding skipped' has no bytes at the points marked '-' (rerun: "
+                       f"`{RERUN_MEMORY}`).")
     write_table(out / "table3", header, rows, (
         "# Table 3 analogue: saved-activation memory of roberta-base\n\n"
         "Bytes autograd saves for backward in one training step (unique storages, parameters "
@@ -151,6 +169,8 @@ def table3(memory_dir: Path, out: Path, bench_dir: Path | None = None) -> None:
         "skipped, Q/K/V sharing one stored X) with its stored rows kept as b-bit codes and "
         "bfloat16 group ends (patch_linear(bits=b), method=exact method.bits=b), alone, with "
         "compact activations and with checkpointing; one record each, in the 'none' column. "
+        "'exact, padding skipped': the exact sketch alone (padding rows skipped, Q/K/V sharing "
+        "one stored X, exact gradients), one record in the 'none' column. "
         "Savings are against the exact model; the analytic limit stores every patched linear "
         "input at exactly rho and nothing else changes. 'peak' is the peak memory of one "
         "steady-state training step in a fresh process "

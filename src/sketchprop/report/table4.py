@@ -1,7 +1,9 @@
 """Table 4: CoLA per sketch, layout and rate: the score (mean, drop against exact, difference
-paired by seed), and speed from the controlled benchmark (``results/bench``: a training step and
-one linear layer against exact), never from the training runs' wall times; the paper's Table 4
-beside it.
+paired by seed), and speed from the controlled benchmark (``results/bench``: a training step
+against exact and against exact with padding rows skipped, with the rows it timed, and one linear
+layer against nn.Linear), never from the training runs' wall times; the paper's Table 4 beside it.
+Exact with padding rows skipped (exact gradients: its score is exact's) is a row of its own where
+the benchmark timed it.
 
 Writes ``results/tables/table4.md|csv`` (the CPU runs) and ``table4_roberta.md|csv`` (paper-scale
 runs, ``experiment=table4``, where present).
@@ -15,6 +17,7 @@ from pathlib import Path
 from .common import (
     BENCH_LAYER,
     EXACT,
+    EXACT_SKIP,
     PAIRED_TEXT,
     bench_layer_ratios,
     bench_step_ratios,
@@ -25,7 +28,10 @@ from .common import (
     mean_sd,
     method_key,
     paired,
+    rerun_step,
+    rows_text,
     score,
+    skip_note,
     write_table,
 )
 
@@ -58,6 +64,7 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
     layer = bench_layer_ratios(bench_dir) if bench_dir else {}
     header = ["sketch", "layout", "rho", "CoLA (matthews)", "vs exact", "paired to exact",
               f"{model} step time / exact (bench)",
+              f"{model} step time / exact, padding skipped (bench)",
               f"{BENCH_LAYER[0]} layer time / nn.Linear (bench)", "paper score", "paper time (GPU)"]
     rows = []
     for key in sorted(groups):
@@ -68,8 +75,10 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
         paper = PAPER_TABLE4.get((sketch, rho)) if layout in ("-", "paper") else None
         if key == EXACT:
             step_name, layer_name = "exact", "nn.Linear"
-        elif sketch == "exact":  # the exact layers with checkpointing or compact activations
-            step_name, layer_name = {"compact": "compact", "ckpt": "ckpt"}.get(layout), None
+        elif sketch == "exact":
+            # the exact layers with checkpointing, compact activations or b-bit rows: the step
+            # benchmark names them as their layout (ckpt, compact, int4, int4+compact...)
+            step_name, layer_name = layout, None
         else:
             # The benchmark times MiniLM steps without checkpointing, and one layer alone: no
             # ratio of either stands for a checkpointed row, nor the layer for a compact one.
@@ -84,9 +93,15 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
             fmt_score([score(r) for r in rs]),
             f"{s - base_score:+.2f}" if base_score is not None and key != EXACT else "-",
             fmt_paired(paired(rs, base)) if base and key != EXACT else "-",
-            fmt_ratio(step.get(step_name)), fmt_ratio(layer.get(layer_name)),
+            fmt_ratio(step.get(step_name)), fmt_ratio((step.get(step_name) or {}).get("skip")),
+            fmt_ratio(layer.get(layer_name)),
             f"{paper[0]:.2f}" if paper else "-", paper[1] if paper else "-",
         ])
+        if key == EXACT and EXACT_SKIP in step:
+            # exact's gradients without the padding rows' work: exact's score by construction
+            rows.append(["exact", "padding skipped", "-", "exact's (exact gradients)", "-", "-",
+                         fmt_ratio(step[EXACT_SKIP]), fmt_ratio(step[EXACT_SKIP].get("skip")),
+                         "-", "-", "-"])
     info = step.get("_info", {})
     linfo = layer.get("_info", {})
     write_table(stem, header, rows, (
@@ -103,7 +118,9 @@ def table4(runs: list[dict], experiment: str, stem: Path, bench_dir: Path | None
         + (f"'step' is one training step of {model} at {info.get('batch', '?')} "
            f"({info.get('source', '?')}), {info.get('threads', '?')} torch thread(s), "
            f"{info.get('device', '?')} ({', '.join(info.get('runs', []))}; the benchmark times the "
-           "Gaussian only in the paper's layout and blocksrht only in ours); "
+           f"Gaussian only in the paper's layout and blocksrht only in ours); {rows_text(info)}. "
+           "Exact multiplies its padding rows; our layout skips them. "
+           + skip_note(info, rerun_step(model, extra=",ours-importance,ours-importance+alloc")) + " "
            if info else "'step': no benchmark file; ")
         + (f"'layer' is one {BENCH_LAYER[0]} linear layer, {BENCH_LAYER[1]} rows, forward and "
            f"backward against nn.Linear, {linfo.get('threads', '?')} torch thread(s) "
