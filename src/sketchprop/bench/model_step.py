@@ -87,6 +87,7 @@ from .models import (
     Configured,
     analytic_split,
     build_model,
+    full_rows,
     make_batch,
     make_step,
     method_list,
@@ -136,13 +137,7 @@ def step_batch(model_name: str, model, args) -> tuple[dict, dict]:
     padding position given a random token (fixed seed) and the attention mask all ones."""
     batch, info = make_batch(model_name, model, args)
     if args.rows == "full":
-        mask = batch["attention_mask"]
-        g = torch.Generator().manual_seed(1)
-        fill = torch.randint(3, model.config.vocab_size, mask.shape, generator=g)
-        batch = {**batch, "input_ids": torch.where(mask.bool(), batch["input_ids"], fill),
-                 "attention_mask": torch.ones_like(mask)}
-        info = {"lengths": [args.seq] * args.batch, "source": "every row full length",
-                "real_fraction": 1.0}
+        batch, info = full_rows(model, batch)
     return batch, info
 
 

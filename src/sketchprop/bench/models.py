@@ -96,6 +96,20 @@ def read_task(glue_dir: str, task: str) -> list[tuple[str, str | None]]:
     return [(r[a], r[b] if b is not None else None) for r in rows if len(r) > max(a, b or 0)]
 
 
+def full_rows(model: nn.Module, batch: dict) -> tuple[dict, dict]:
+    """``batch`` with every padding position given a random non-padding token (fixed seed) and
+    the attention mask all ones: full-length rows, where skipping padding saves nothing; and the
+    description :func:`make_batch` gives of its lengths."""
+    mask = batch["attention_mask"]
+    g = torch.Generator().manual_seed(1)
+    fill = torch.randint(3, model.config.vocab_size, mask.shape, generator=g)
+    batch = {**batch, "input_ids": torch.where(mask.bool(), batch["input_ids"], fill),
+             "attention_mask": torch.ones_like(mask)}
+    info = {"lengths": [mask.shape[1]] * mask.shape[0], "source": "every row full length",
+            "real_fraction": 1.0}
+    return batch, info
+
+
 def make_batch(model_name: str, model: nn.Module, args) -> tuple[dict, dict]:
     """The batch (``args``: ``batch``, ``seq``, ``glue_dir``, ``task``, ``quick``) and a description
     of where its lengths came from."""

@@ -1,5 +1,5 @@
 """Speed: what each memory saving costs in step time, against the exact step it replaces, and what
-each codec costs against the memory-bound limit of its bytes (issue 38, item 4).
+each codec costs against the memory-bound limit of its bytes.
 
 **Steps.** One training step (forward, backward, AdamW step) of roberta-base (random weights, as in
 :mod:`sketchprop.bench.model_step`) per method, over a grid of batch shapes (``--shapes``, default
@@ -79,9 +79,18 @@ from .common import (
     write_outputs,
 )
 from .model_step import quiet_deprecations
-from .models import AUTOCAST, Configured, build_model, make_batch, make_step, method_list, to_device
+from .models import (
+    AUTOCAST,
+    Configured,
+    build_model,
+    full_rows,
+    make_batch,
+    make_step,
+    method_list,
+    to_device,
+)
 
-# (row kind, method) -> (baseline, limit): the step-time targets of issue 38.
+# (row kind, method) -> (baseline, limit): the step-time targets the codecs are built towards.
 TARGETS = {
     ("full", "int4"): ("exact", 1.02),
     ("full", "compact"): ("exact", 1.03),
@@ -167,13 +176,7 @@ def batch_for(model, kind: str, bsz: int, seq: int, args) -> tuple[dict, dict]:
                          quick=args.quick)
     batch, info = make_batch(args.model, model, ns)
     if kind == "full":
-        mask = batch["attention_mask"]
-        g = torch.Generator().manual_seed(1)
-        fill = torch.randint(3, model.config.vocab_size, mask.shape, generator=g)
-        batch = {**batch, "input_ids": torch.where(mask.bool(), batch["input_ids"], fill),
-                 "attention_mask": torch.ones_like(mask)}
-        info = {"lengths": [seq] * bsz, "source": "every row full length",
-                "real_fraction": 1.0}
+        batch, info = full_rows(model, batch)
     return batch, info
 
 
