@@ -234,6 +234,32 @@ def test_inductor_compiled_model_has_eager_gradients():
     _compiled_against_eager("roberta", "sketch + compact", "inductor", rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.stack("compile", "compact", "decoders")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compiled_decoder_with_the_chunked_loss_runs_its_own_forward_outside_training(arch):
+    """With the chunked LM loss (the decoders' default), the forwards that are the model's own (in
+    eval mode with labels, as ``Trainer.evaluate`` calls it, and in training without labels) are
+    traced by the compiler and give the eager model's loss and logits (they once recursed without
+    end: Dynamo took the class's forward bound to the model for the model's patched forward)."""
+    torch._dynamo.reset()
+    eager, model = _tiny(arch), _tiny(arch)
+    patch_activations(eager)
+    patch_activations(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    batch = _batch(arch)
+    for training, inputs in ((False, batch), (True, {k: batch[k] for k in ("input_ids",
+                                                                          "attention_mask")})):
+        eager.train(training)
+        model.train(training)
+        torch.manual_seed(7)  # GPT-2's dropouts draw their seeds from it
+        want = eager(**inputs)
+        torch.manual_seed(7)
+        got = compiled(**inputs)
+        torch.testing.assert_close(got.logits, want.logits)
+        if not training:
+            torch.testing.assert_close(got.loss, want.loss)
+
+
 # ---------------------------------------------------------------------------------------------
 # Resizing the vocabulary
 

@@ -187,17 +187,20 @@ class LMLossForward:
 
     def __call__(self, *args, labels=None, **kwargs):
         owner = self.owner
-        original = type(owner).forward.__get__(owner)
         head = owner.get_output_embeddings()
         if labels is None or not (owner.training and torch.is_grad_enabled()) \
                 or kwargs.get("return_dict") is False or type(head) is not nn.Linear:
-            return original(*args, labels=labels, **kwargs)
-        return self._chunked(original, head, labels, *args, **kwargs)
+            # The class's function called with the model: Dynamo resolves a bound method of the
+            # class's forward (type(owner).forward.__get__(owner)) to the instance's forward, this
+            # object, and a compiled eval forward recursed without end.
+            return type(owner).forward(owner, *args, labels=labels, **kwargs)
+        return self._chunked(head, labels, *args, **kwargs)
 
     # Eager under torch.compile: it swaps the output layer's forward for the call (a graph cannot
     # trace that), so a compiled model's training forward with labels runs eagerly here.
     @eager_island
-    def _chunked(self, original, head: nn.Linear, labels: Tensor, *args, **kwargs):
+    def _chunked(self, head: nn.Linear, labels: Tensor, *args, **kwargs):
+        original = type(self.owner).forward.__get__(self.owner)
         seen = {}
 
         def capture(x):
