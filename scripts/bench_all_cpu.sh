@@ -33,6 +33,7 @@ declare -A RUNS=(
     [roberta_compact_time]="scripts/bench_model.py --models roberta-base --methods exact,ours,ours+compact,ours+seeded,ours+recompute,ours+gelu,ours+packed --rhos 0.1 --parts time --threads $T --repeats 3 --tag _roberta_compact_time"
     [roberta_compact_alone_time]="scripts/bench_model.py --models roberta-base --methods exact,ours,compact --rhos 0.1 --parts time --threads $T --repeats 3 --tag _roberta_compact_alone_time"
     [roberta_lnout_time]="scripts/bench_model.py --models roberta-base --methods exact,compact,lnstored,ours+compact,ours+lnstored --rhos 0.1 --parts time --threads $T --repeats 3 --tag _roberta_lnout_time"
+    [roberta_fair]="scripts/bench_model.py --models roberta-base --methods exact,exact-skip,ckpt,paper,ours,ckpt+ours,compact,ours+compact,ckpt+ours+compact,int8,int4,int2,int4+compact --parts time --threads $T --tag _roberta_fair"
     [minilm_fair]="scripts/bench_model.py --models minilm --methods exact,exact-skip,ckpt,paper,ours,ckpt+ours,compact,ours+compact,ckpt+ours+compact,int8,int4,int2,int4+compact,ours-importance,ours-importance+alloc --parts time --threads $T --tag _minilm_fair"
     [roberta_bits_time]="scripts/bench_model.py --models roberta-base --methods exact,int8,int4,int2,int4+compact --parts time --threads $T --repeats 3 --tag _roberta_bits_time"
     [bits_cost]="scripts/bits_cost.py --threads $T"
@@ -51,7 +52,7 @@ declare -A RUNS=(
 ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 roberta_exactskip roberta_bytes
        roberta_memory minilm overhead variance layer_importance minilm_importance importance_variance
        roberta_compact_bytes roberta_compact_time roberta_compact_alone_time roberta_lnout_time
-       roberta_bits_time minilm_fair bits_cost gelu_bits equal_bytes decoders_llama decoders_llama_lora decoders_time
+       roberta_bits_time roberta_fair minilm_fair bits_cost gelu_bits equal_bytes decoders_llama decoders_llama_lora decoders_time
        decoders_llama_lora_time
        decoders_gpt2 decoders_gpt2_lora decoders_gpt2_time speed)
 if [[ $# -gt 0 ]]; then ORDER=("$@"); fi
