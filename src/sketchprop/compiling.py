@@ -5,8 +5,8 @@ model keep Python state that a traced graph cannot hold: per-layer generators se
 ints and call counts (a graph would guard on each call's seed and recompile at every step),
 thread-local padding masks, weak references to shared sketches, and saved-tensor hooks read
 during checkpointing. Traced anyway, they crashed (a random int16 view), recompiled every step,
-or, under inductor, changed the numbers: inductor folds the bfloat16 round trip of the b-bit
-codes' group ends, a bias of about 6e-4 of the codes.
+or, under inductor, changed the numbers: inductor may fold the bfloat16 round trip of the b-bit
+codes' group ends, which the unbiased rounding relies on.
 
 So every patched forward (the randomized linear layers, seeded dropout, the GELU code, LayerNorm
 and RMSNorm from their output, the gated MLP, the recomputed attention and the chunked LM loss),
