@@ -13,7 +13,8 @@ import pytest
 import torch
 from scipy import stats
 
-from sketchprop.rng import MASK32, philox4x32, random_bits, random_int16, stream_key, uniform
+from sketchprop.rng import (MASK32, dither16, philox4x32, random_bits, random_int16, random_uint16,
+                            stream_key, uniform)
 
 FALSE_ALARM = 1e-6
 N = 1 << 20  # draws for the uniformity and independence tests
@@ -86,8 +87,12 @@ def test_bit_layout(call):
     n = 23
     expected = reference_words(key.item(), call, n)
     assert random_bits(key, torch.tensor(call), n).tolist() == expected
-    halves = [h for w in expected for h in (w & 0xFFFF, w >> 16)][:2 * n]
-    assert random_int16(key, call, 2 * n).tolist() == [h - 2**16 if h >= 2**15 else h for h in halves]
+    for m in (n, n - 1):  # 2n and 2n - 1 halves: low halves of the n words, then high halves
+        halves = ([w & 0xFFFF for w in expected] + [w >> 16 for w in expected])[:n + m]
+        assert random_uint16(key, call, n + m).tolist() == halves
+        assert random_int16(key, call, n + m).tolist() == [h - 2**16 if h >= 2**15 else h
+                                                           for h in halves]
+        assert dither16(key, call, n + m).tolist() == [(h + 0.5) * 2.0**-16 for h in halves]
     assert uniform(key, call, n).tolist() == [(w >> 8) * 2.0**-24 for w in expected]
 
 
@@ -95,7 +100,6 @@ def test_element_i_does_not_depend_on_the_shape_or_the_call_order():
     key, call = stream_key(1, "a"), torch.tensor(9)
     assert torch.equal(random_bits(key, call, 10)[:5], random_bits(key, call, 5))
     assert torch.equal(random_bits(key, call, 4097)[:4093], random_bits(key, call, 4093))
-    assert torch.equal(random_int16(key, call, 8)[:7], random_int16(key, call, 7))
     assert torch.equal(uniform(key, call, (3, 4)), uniform(key, call, 12).view(3, 4))
     later_first = [random_bits(key, c, 6) for c in (3, 2, 1)][::-1]
     assert_same(later_first, [random_bits(key, c, 6) for c in (1, 2, 3)])
@@ -176,7 +180,8 @@ def test_streams_that_differ_in_one_input_are_independent():
 def draw_all(key, call):
     """What the compiled tests draw: every helper, bfloat16 uniforms included."""
     return (random_bits(key, call, 10), uniform(key, call, (2, 3)),
-            uniform(key, call, 5, dtype=torch.bfloat16), random_int16(key, call, 5))
+            uniform(key, call, 5, dtype=torch.bfloat16), random_int16(key, call, 5),
+            random_uint16(key, call, 7), dither16(key, call, 9))
 
 
 def assert_same(a, b):

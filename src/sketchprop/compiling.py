@@ -1,4 +1,5 @@
-r"""How the library's parts meet ``torch.compile``: each patched part runs as an eager island.
+r"""How the library meets ``torch.compile``: each patched part runs as an eager island, and each
+codec inside it is one compiled kernel of its own.
 
 ``torch.compile(model)`` traces a model's Python into graphs. The parts this library puts into a
 model keep Python state that a traced graph cannot hold: per-layer generators seeded by Python
@@ -15,16 +16,30 @@ in :func:`eager_island`: the compiler stops
 before it, the part runs eagerly with its own streams, and compilation resumes after it. The
 compiled model then draws the same bits in the same order as the eager one, and its gradients
 are the eager model's (up to the float reassociation of the compiled parts in between); a new
-step, seed or rank reuses the graphs. What the islands give up is fusion inside them: making the
-codecs themselves compiled kernels is the work :mod:`sketchprop.rng` prepares.
+step, seed or rank reuses the graphs.
+
+**Fused codecs.** Inside the islands, the codecs (quantize and pack, unpack and dequantize, the
+dropout mask, the GELU code and its decode) are each one function of tensors, with no Python
+branching on tensor values and random bits from :mod:`sketchprop.rng` keyed by a 0-d tensor:
+:func:`fused` compiles each on its own (inductor: C++ on CPU, Triton on CUDA) into one loop
+that reads its input once, where eager would make a pass over memory per operation. Shapes are
+dynamic and keys are tensors, so a new step, batch shape or seed reuses the kernel; inductor's
+cache keeps it across processes. Compiled and eager give the same random bits; float results may
+differ by the reassociation of a sum (a code may then round the other way, rarely). Where no
+compiler works (no C++ compiler, no Triton) the first call says so in one line and the codecs
+run eagerly from then on; ``SKETCHPROP_CODECS=eager`` chooses eager from the start.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 F = TypeVar("F", bound=Callable)
 
@@ -37,3 +52,47 @@ def eager_island(fn: F) -> F:
     compiler's recompile limit.)"""
     return torch.compiler.disable(fn, reason=f"sketchprop's {fn.__qualname__} runs eagerly "
                                               "(sketchprop.compiling says why)")
+
+
+#: The environment switch: ``SKETCHPROP_CODECS=eager`` runs every fused codec eagerly.
+CODECS_ENV = "SKETCHPROP_CODECS"
+_no_compiler: set[str] = set()  # device types whose compiler failed once: eager from then on
+
+
+def codecs_compiled(device_type: str) -> bool:
+    """Whether the fused codecs run compiled on ``device_type`` (see the module docstring)."""
+    mode = os.environ.get(CODECS_ENV, "compiled")
+    if mode not in ("compiled", "eager"):
+        raise ValueError(f"{CODECS_ENV} must be 'compiled' or 'eager', got {mode!r}")
+    return mode == "compiled" and device_type not in _no_compiler
+
+
+def fused(fn: F) -> F:
+    """``fn`` (a function of tensors and constants, no Python branching on tensor values) compiled
+    on its own at its first call: ``torch.compile(fn, fullgraph=True)``, with
+    inductor's ``emulate_precision_casts`` so that a bfloat16 round trip stays one (the codes'
+    group ends rely on it). The device is the first tensor argument's. Falls back to ``fn``
+    eagerly, with a one-line warning, where compiling fails; ``fn.eager`` is the eager function."""
+    # dynamic=None: compiled for the first shapes, then once more with the sizes that changed
+    # made symbolic (the batch's rows), those that did not (a group of 64) kept constant.
+    compiled = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        if not codecs_compiled(device):
+            return fn(*args, **kwargs)
+        try:
+            # Shapes dynamic, Python numbers (code width, group, probabilities) constants:
+            # symbolic ones would make every index a division, and the loops scalar.
+            with torch._dynamo.config.patch(specialize_int=True, specialize_float=True):
+                return compiled(*args, **kwargs)
+        except BackendCompilerFailed as err:  # no C++ compiler, no Triton: not a wrong input
+            _no_compiler.add(device)
+            warnings.warn(f"sketchprop: the codecs run eagerly on {device} (slower): compiling "
+                          f"{fn.__qualname__} failed ({type(err.inner_exception).__name__}); "
+                          f"{CODECS_ENV}=eager skips the attempt", stacklevel=2)
+            return fn(*args, **kwargs)
+
+    call.eager = fn
+    return call

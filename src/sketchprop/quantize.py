@@ -20,9 +20,12 @@ Why these choices:
   would waste half its levels there, and at 2 bits keep 3 of 4.
 - **bfloat16 ends**, rounded outward (``lo`` down, ``step`` up) so that every value lies on the
   grid's span: 4 bytes per group, half of float32's, with float32's range.
-- **16-bit dither** from the layer's own generator (a seed per call, never the global stream, as
-  the sketches'): a 16-bit uniform draw makes ``E[code]`` exact to ``2^-17`` of a level step,
-  and four draws come from one 64-bit word.
+- **16-bit dither** from the Philox stream of :mod:`sketchprop.rng`, keyed by the seed the layer
+  draws for the call (never the global stream, as the sketches'): a 16-bit uniform draw makes
+  ``E[code]`` exact to ``2^-17`` of a level step, and two draws come from one 32-bit word. A
+  counter-based stream gives the same bits eager and compiled, on any device.
+- **One fused function** each way (:func:`~sketchprop.compiling.fused`): grid, dither, rounding
+  and packing compile into one pass over the rows, unpacking and decoding into another.
 - **Packing**: ``8 / b`` codes per byte (``b`` in 8, 4, 2), then the groups' ends; one uint8
   tensor per stored sketch, which is all the layer saves for ``dW`` besides its seed.
 
@@ -38,6 +41,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .compiling import fused
+from .packing import pack_codes, unpack_codes
+from .rng import dither16
+
 __all__ = ["BITS", "DEFAULT_GROUP", "QuantSpec", "check_bits", "check_group", "dequantize",
            "quantize", "stored_bits"]
 
@@ -46,8 +53,8 @@ BITS = (8, 4, 2)
 #: Columns per group (one bfloat16 lower end and spacing each): 0.5 bits per element on top of the
 #: codes. Why 64: the module docstring.
 DEFAULT_GROUP = 64
-# Seeds for the rounding's dither are the sketch's seed XOR this constant: another stream of the
-# layer's generator, independent of the sketch's draws.
+# The dither's Philox key is the sketch's seed XOR this constant: a stream apart from the sketch's
+# draws (which come from torch generators seeded with the seed itself).
 _DITHER = 0x2545F4914F6CDD1D
 
 
@@ -92,62 +99,59 @@ class QuantSpec:
         return self.rows * self.groups * self.group * self.bits // 8
 
 
-def _dither(n: int, seed: int, device) -> Tensor:
-    """``n`` uniform draws in (0, 1) on a 16-bit grid, ``(r + 1/2) / 2^16``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    words = torch.randint(-(2**63), 2**63 - 1, (-(-n // 4),), dtype=torch.int64, device=device,
-                          generator=gen)
-    r = words.view(torch.int16)[:n].float()
-    return r.add_(32768.5).mul_(1.0 / 65536)
-
-
-def _outward(value: Tensor, widened: Tensor, holds) -> Tensor:
-    """``value`` in bfloat16 where rounding to nearest ``holds``, else ``widened`` in bfloat16."""
-    near = value.to(torch.bfloat16)
-    return torch.where(holds(near), near, widened.to(torch.bfloat16))
-
-
-def _grid(a: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """``(t, lo, step)``: each value's position on its group's grid (``rows x groups x group``,
-    float32) and the groups' bfloat16 ends."""
+def _grouped(a: Tensor, group: int) -> Tensor:
+    """``a`` (``rows x cols``) in float32 as ``rows x groups x group``: the last column repeated up
+    to whole groups (the padded group's range stays its own). Shaped here, outside the fused
+    function, so that its loops index by a product of sizes, never by a division."""
+    rows, cols = a.shape
+    pad = -cols % group
     x = a.float()
-    pad = spec.groups * spec.group - spec.cols
-    if pad:  # repeat the last column: the padded group's range stays its own
-        x = torch.cat([x, x[:, -1:].expand(spec.rows, pad)], dim=1)
-    x = x.view(spec.rows, spec.groups, spec.group)
-    levels = (1 << spec.bits) - 1
+    if pad:
+        x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)
+    return x.view(rows, -1, group)
+
+
+def _grid(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(t, lo, step)``: each value's position on its group's grid (float32, the shape of ``x``,
+    ``rows x groups x group``) and the groups' bfloat16 ends (``rows x groups``)."""
+    levels = (1 << bits) - 1
     lo_x, hi_x = x.amin(-1), x.amax(-1)
     # Outward rounding (see the module docstring): where rounding to nearest moved an end inward,
     # a relative margin of 2^-7 (over bfloat16's rounding error of 2^-9) moves it out, so that
     # lo <= min and lo + levels * step >= max; an end bfloat16 holds (0, a constant) stays exact.
-    lo = _outward(lo_x, lo_x - lo_x.abs() * 2**-7, lambda v: v.float() <= lo_x)
+    lo = lo_x.to(torch.bfloat16)
+    lo = torch.where(lo.float() <= lo_x, lo, (lo_x - lo_x.abs() * 2**-7).to(torch.bfloat16))
     span = (hi_x - lo.float()) / levels
-    step = _outward(span, span * (1 + 2**-7), lambda v: lo.float() + levels * v.float() >= hi_x)
+    step = span.to(torch.bfloat16)
+    step = torch.where(lo.float() + levels * step.float() >= hi_x, step,
+                       (span * (1 + 2**-7)).to(torch.bfloat16))
     step_f = step.float().unsqueeze(-1)
-    t = torch.sub(x, lo.float().unsqueeze(-1)).div_(step_f)
-    t.masked_fill_(~(step_f > 0), 0)  # a constant group: every code 0
-    return t.clamp_(0, levels), lo, step
+    t = (x - lo.float().unsqueeze(-1)) / step_f
+    t = t.masked_fill(~(step_f > 0), 0)  # a constant group: every code 0
+    return t.clamp(0, levels), lo, step
 
 
-def _pack(codes: Tensor, bits: int) -> Tensor:
-    """``8 / bits`` codes (each below ``2^bits``) per byte, the first in the low bits: a byte's
-    worth of codes is read as one little-endian word, and shifts move each code into the low
-    byte (one pass per code over whole words, not strided bytes)."""
-    if bits == 8:
-        return codes
-    per_byte = 8 // bits  # a group is a multiple of 8 codes: whole words (little-endian)
-    # Codes are below 2^bits, so byte i of a word, shifted right by i * (8 - bits), lands in bits
-    # [i * bits, (i + 1) * bits) of the low byte and nothing else does.
-    word = codes.view(torch.int16 if per_byte == 2 else torch.int32)
-    packed = word.clone()
-    for i in range(1, per_byte):
-        packed |= word >> (i * (8 - bits))
-    return (packed & 0xFF).to(torch.uint8)
+@fused
+def _encode(x: Tensor, key: Tensor, bits: int,
+            real: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The packed codes of the grouped rows ``x`` (:func:`_grouped`), their groups' ends
+    (bfloat16) and, given ``real`` (``groups x group``: 1 where a column is the input's, 0 where
+    it pads), each row's rounding variance: one fused function
+    (:func:`~sketchprop.compiling.fused`), one pass over the rows."""
+    t, lo, step = _grid(x, bits)
+    u = dither16(key, 0, t.numel()).view_as(t)
+    row_var = None
+    if real is not None:
+        f = t - t.floor()
+        row_var = ((f * (1 - f) * real).sum(-1) * step.float().square()).sum(-1)
+    codes = (t + u).floor().clamp(max=(1 << bits) - 1).to(torch.uint8)
+    return pack_codes(codes, bits), lo, step, row_var
 
 
 def quantize(a: Tensor, bits: int, group: int, seed: int,
              variance: bool = False) -> tuple[Tensor, QuantSpec, Tensor | None]:
-    """Stochastically round the rows of ``a`` (``rows x cols``) to ``bits``-bit codes.
+    """Stochastically round the rows of ``a`` (``rows x cols``) to ``bits``-bit codes, with the
+    dither of the Philox stream keyed by ``seed`` (:func:`sketchprop.rng.dither16`).
 
     Returns ``(payload, spec, row_variance)``: the packed codes followed by the groups' ends (one
     flat uint8 tensor), what :func:`dequantize` needs, and, with ``variance``, each row's rounding
@@ -155,29 +159,28 @@ def quantize(a: Tensor, bits: int, group: int, seed: int,
     """
     rows, cols = a.shape
     spec = QuantSpec(check_bits(bits), check_group(group), rows, cols, a.dtype)
-    t, lo, step = _grid(a, spec)
-    u = _dither(t.numel(), seed ^ _DITHER, a.device).view_as(t)
-    row_var = None
+    x = _grouped(a, group)
+    key = torch.tensor(seed ^ _DITHER, dtype=torch.int64, device=a.device)
+    real = None
     if variance:
-        f = t - t.floor()
-        f_var = f * (1 - f)
-        pad = spec.groups * spec.group - cols
-        if pad:  # the repeated columns are not part of the rows
-            f_var[:, -1, spec.group - pad:] = 0
-        row_var = (f_var.sum(-1) * step.float().square()).sum(-1)
-    # t is ours (a fresh tensor): round in place.
-    codes = t.add_(u).floor_().clamp_(max=(1 << bits) - 1).to(torch.uint8)
-    packed = _pack(codes.view(-1), bits)
+        real = (torch.arange(x[0].numel(), device=a.device) < cols).float().view_as(x[0])
+    packed, lo, step, row_var = _encode(x, key, bits, real)
     ends = torch.stack([lo, step], dim=-1).reshape(-1).view(torch.uint8)
     return torch.cat([packed, ends]), spec, row_var
+
+
+@fused
+def _decode(packed: Tensor, ends: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+    """The grouped rows (``groups x group``, ``dtype``) of packed codes and their groups' ends
+    (bfloat16, ``groups x 2``): one fused function (:func:`~sketchprop.compiling.fused`)."""
+    codes = unpack_codes(packed, bits, packed.numel() * 8 // bits).view(ends.shape[0], -1).float()
+    ends = ends.float()
+    return (ends[:, :1] + codes * ends[:, 1:]).to(dtype)
 
 
 def dequantize(payload: Tensor, spec: QuantSpec) -> Tensor:
     """The rows that ``payload`` codes (``spec.rows x spec.cols``, in ``spec.dtype``)."""
     packed, ends = payload[:spec.code_bytes], payload[spec.code_bytes:]
-    ends = ends.view(torch.bfloat16).view(spec.rows, spec.groups, 2).float()
-    per_byte, mask = 8 // spec.bits, (1 << spec.bits) - 1
-    codes = torch.stack([(packed >> (spec.bits * i)) & mask for i in range(per_byte)], dim=1)
-    codes = codes.view(spec.rows, spec.groups, spec.group).float()
-    x = torch.addcmul(ends[..., :1], codes, ends[..., 1:])
-    return x.view(spec.rows, -1)[:, :spec.cols].to(spec.dtype)
+    ends = ends.view(torch.bfloat16).view(spec.rows * spec.groups, 2)
+    x = _decode(packed, ends, spec.bits, spec.dtype).view(spec.rows, -1)
+    return x[:, :spec.cols] if spec.groups * spec.group > spec.cols else x

@@ -57,8 +57,10 @@ Philox):
   random_bits(k, c, 5)``, whatever the shape asked for or the order of the calls.
 - :func:`uniform` element ``i`` (of the flattened shape, row-major) is
   ``(word_i >> (32 - b)) 2^-b``.
-- :func:`random_int16` element ``2i`` is the low half of word ``i`` and ``2i + 1`` the high half,
-  each read as a two's-complement int16.
+- :func:`random_uint16` of ``n`` elements, ``m = ceil(n / 2)``: element ``i < m`` is the low
+  half of word ``i``, element ``m + i`` its high half; :func:`random_int16` reads each as a
+  two's-complement int16 and :func:`dither16` as ``(half + 1/2) 2^-16``. (These depend on ``n``
+  as well as ``i``.)
 """
 
 from __future__ import annotations
@@ -93,19 +95,25 @@ def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
     return (p_hi >> 16) + (t >> 32), t & MASK32
 
 
-def philox4x32(counter: Tensor, key: Tensor, rounds: int = ROUNDS) -> Tensor:
-    """Philox-4x32 of ``counter`` (int64, shape ``(..., 4)``) under ``key`` (int64, ``(..., 2)``,
-    broadcast against the counter), both as words in ``[0, 2^32)``: int64 words ``(..., 4)`` in
-    ``[0, 2^32)``, Random123's ``philox4x32_R(rounds, counter, key)``."""
-    c0, c1, c2, c3 = counter.unbind(-1)
-    k0, k1 = key.unbind(-1)
+def _rounds(c0, c1, c2, c3, k0, k1, rounds: int = ROUNDS) -> tuple[Tensor, ...]:
+    """Philox-4x32's rounds on counter words ``c0..c3`` under key words ``k0, k1`` (int64 tensors
+    of words in ``[0, 2^32)``, broadcast together): the four output words. Words are passed one
+    by one, never stacked, so that a compiled caller fuses the whole of it into one loop."""
     for r in range(rounds):
         if r:  # the key schedule: bumped before every round but the first
             k0, k1 = (k0 + PHILOX_W[0]) & MASK32, (k1 + PHILOX_W[1]) & MASK32
         hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
         hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return torch.stack(torch.broadcast_tensors(c0, c1, c2, c3), -1)
+    return c0, c1, c2, c3
+
+
+def philox4x32(counter: Tensor, key: Tensor, rounds: int = ROUNDS) -> Tensor:
+    """Philox-4x32 of ``counter`` (int64, shape ``(..., 4)``) under ``key`` (int64, ``(..., 2)``,
+    broadcast against the counter), both as words in ``[0, 2^32)``: int64 words ``(..., 4)`` in
+    ``[0, 2^32)``, Random123's ``philox4x32_R(rounds, counter, key)``."""
+    words = _rounds(*counter.unbind(-1), *key.unbind(-1), rounds)
+    return torch.stack(torch.broadcast_tensors(*words), -1)
 
 
 def random_bits(key: Tensor, counter: Tensor | int, n: int, device=None) -> Tensor:
@@ -116,12 +124,9 @@ def random_bits(key: Tensor, counter: Tensor | int, n: int, device=None) -> Tens
     key = torch.as_tensor(key, dtype=torch.int64, device=device)
     counter = torch.as_tensor(counter, dtype=torch.int64, device=key.device)
     block = torch.arange(-(-n // 4), dtype=torch.int64, device=key.device)
-    words = philox4x32(
-        torch.stack(torch.broadcast_tensors(
-            block & MASK32, block >> 32, counter & MASK32, (counter >> 32) & MASK32), -1),
-        torch.stack((key & MASK32, (key >> 32) & MASK32), -1),
-    )
-    return words.flatten()[:n]
+    words = _rounds(block & MASK32, block >> 32, counter & MASK32, (counter >> 32) & MASK32,
+                    key & MASK32, (key >> 32) & MASK32)
+    return torch.stack(torch.broadcast_tensors(*words), -1).flatten()[:n]
 
 
 def uniform(key: Tensor, counter: Tensor | int, shape, device=None,
@@ -136,10 +141,26 @@ def uniform(key: Tensor, counter: Tensor | int, shape, device=None,
     return ((words >> (32 - b)).to(dtype) * 2.0 ** -b).view(shape)
 
 
-def random_int16(key: Tensor, counter: Tensor | int, n: int, device=None) -> Tensor:
-    """``n`` uniform 16-bit integers (int16, every value of ``[-2^15, 2^15)`` equally likely), two
-    from each :func:`random_bits` word: element ``2i`` its low half, ``2i + 1`` its high half, as
-    two's complement. The counterpart of :func:`sketchprop.activations.seeds._random_int16`."""
+def random_uint16(key: Tensor, counter: Tensor | int, n: int, device=None) -> Tensor:
+    """``n`` uniform 16-bit integers (int64 values in ``[0, 2^16)``), two from each of the first
+    ``m = ceil(n / 2)`` :func:`random_bits` words: element ``i < m`` is the low half of word ``i``,
+    element ``m + i`` its high half. What the stochastic rounding of the codes and the dropout
+    masks draw. (Halves side by side, rather than interleaved, so that a compiled caller loads
+    them contiguously, which a CPU compiler vectorizes.)"""
     words = random_bits(key, counter, -(-n // 2), device)
-    halves = torch.stack((words & 0xFFFF, words >> 16), -1).flatten()[:n]
+    return torch.cat((words & 0xFFFF, words >> 16))[:n]
+
+
+def random_int16(key: Tensor, counter: Tensor | int, n: int, device=None) -> Tensor:
+    """``n`` uniform 16-bit integers (int16, every value of ``[-2^15, 2^15)`` equally likely):
+    :func:`random_uint16`'s halves read as two's complement."""
+    halves = random_uint16(key, counter, n, device)
     return ((halves ^ 0x8000) - 0x8000).to(torch.int16)  # two's complement without a branch
+
+
+def dither16(key: Tensor, counter: Tensor | int, n: int, device=None) -> Tensor:
+    """``n`` float32 draws ``(r + 1/2) 2^-16`` with ``r`` from :func:`random_uint16`: uniform on a
+    16-bit grid strictly inside ``(0, 1)``, mean exactly 1/2. ``floor(t + u)`` then rounds ``t`` up
+    with probability ``frac(t)`` rounded to the nearest multiple of 2^-16: an error in
+    ``E[floor(t + u)]`` of at most 2^-17 (before the float32 rounding of ``t + u``)."""
+    return random_uint16(key, counter, n, device).float().add_(0.5).mul_(2.0 ** -16)

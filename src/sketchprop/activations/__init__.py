@@ -19,8 +19,8 @@ part the model has); each module's docstring says what its part keeps and why:
 - :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards (``mlp=``).
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
 - shared by several parts: :mod:`~sketchprop.activations.seeds` (seeds and dropout masks),
-  :mod:`~sketchprop.activations.packing` (bit packing), :mod:`~sketchprop.activations.projections`
-  (projections made again in backward).
+  :mod:`~sketchprop.activations.projections` (projections made again in backward), and, with
+  the b-bit codes of :mod:`sketchprop.quantize`, :mod:`sketchprop.packing` (bit packing).
 
 **Eval mode.** Dropout is off and :class:`CompactGELU` is the exact GELU (it keeps its input):
 gradients taken in eval mode (saliency, say) are the plain model's, and deterministic.
@@ -63,7 +63,7 @@ from .mlp import (
     keeps_input,
 )
 from .norms import LAYERNORM, OutputLayerNorm, RMSNormFunction, is_layernorm, is_rms_norm, rms_norm_forward
-from .packing import pack_codes, unpack_codes
+from ..packing import pack_codes, unpack_codes
 from .seeds import keep_mask
 
 __all__ = [

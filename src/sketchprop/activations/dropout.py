@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..compiling import eager_island
-from .packing import pack_codes, unpack_codes
-from .seeds import _draw_seed, _drop_threshold, keep_mask
+from ..compiling import eager_island, fused
+from ..packing import pack_codes, unpack_codes
+from .seeds import _draw_seed, _drop_threshold, _keep, dropout_apply, key_of
 
 #: ``dropout=`` values: masks kept as floats (the model's own), regenerated from a seed, or packed.
 DROPOUT = ("stored", "seeded", "packed")
@@ -23,32 +23,40 @@ DROPOUT = ("stored", "seeded", "packed")
 class _SeededDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, p: float, seed: Tensor) -> Tensor:
-        _, scale = _drop_threshold(p)
-        ctx.p, ctx.scale = p, scale
+        ctx.dropped, ctx.scale = _drop_threshold(p)
         ctx.save_for_backward(seed)
-        return (x * keep_mask(x.shape, p, int(seed), x.device)).mul_(scale)
+        return dropout_apply(x, key_of(seed, x.device), ctx.dropped, ctx.scale)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         (seed,) = ctx.saved_tensors
-        keep = keep_mask(dy.shape, ctx.p, int(seed), dy.device)
-        return (dy * keep).mul_(ctx.scale), None, None
+        return dropout_apply(dy, key_of(seed, dy.device), ctx.dropped, ctx.scale), None, None
+
+
+@fused
+def _packed_forward(x: Tensor, key: Tensor, dropped: int, scale: float) -> tuple[Tensor, Tensor]:
+    keep = _keep(x, key, dropped)
+    return (x * keep * scale).to(x.dtype), pack_codes(keep.to(torch.uint8), 1)
+
+
+@fused
+def _packed_backward(dy: Tensor, packed: Tensor, scale: float) -> Tensor:
+    keep = unpack_codes(packed, 1, dy.numel()).view(dy.shape)
+    return (dy * keep * scale).to(dy.dtype)
 
 
 class _PackedDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, p: float, seed: Tensor) -> Tensor:
-        _, scale = _drop_threshold(p)
-        keep = keep_mask(x.shape, p, int(seed), x.device)
-        ctx.scale, ctx.shape = scale, x.shape
-        ctx.save_for_backward(pack_codes(keep.view(torch.uint8), 1))
-        return (x * keep).mul_(scale)
+        dropped, ctx.scale = _drop_threshold(p)
+        out, packed = _packed_forward(x, key_of(seed, x.device), dropped, ctx.scale)
+        ctx.save_for_backward(packed)
+        return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
-        keep = unpack_codes(packed, 1, dy.numel()).view(torch.bool).view(ctx.shape)
-        return (dy * keep).mul_(ctx.scale), None, None
+        return _packed_backward(dy, packed, ctx.scale), None, None
 
 
 class SeededDropout(nn.Dropout):

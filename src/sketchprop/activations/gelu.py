@@ -49,10 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..compiling import eager_island
+from ..compiling import eager_island, fused
+from ..functional import seed_tensor
 from ..layers import _stable_seed, process_rank
-from .packing import pack_codes, unpack_codes
-from .seeds import _draw_seed, _random_int16
+from ..packing import pack_codes, unpack_codes
+from ..rng import dither16
+from .seeds import _draw_seed
 
 #: ``gelu_code=`` values (see the module docstring).
 GELU_CODES = ("stochastic", "optimal")
@@ -119,32 +121,50 @@ class GeluCode:
         return cls(bits, tuple(levels.tolist()), tuple(thresholds.tolist()))
 
     def encode(self, g: Tensor, seed: int | None = None) -> Tensor:
-        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g`` (consumed).
-        A stochastic code rounds with the dither ``seed`` makes (None: one drawn from the global
-        generator)."""
-        top = 2**self.bits - 1
-        if self.stochastic:
-            lo, step = self.levels[0], self.levels[1] - self.levels[0]
-            if seed is None:
-                seed = int(_draw_seed())
-            # code = floor((g - lo) / step + u), u = (r + 2^15 + 1/2) / 2^16 for a 16-bit r.
-            dither = _random_int16(g.numel(), seed, g.device).view(g.shape)
-            v = g.mul_(1 / step).add_(32768.5 / 65536 - lo / step).add_(dither, alpha=1 / 65536)
-            return v.clamp_(0, top).to(torch.uint8)  # truncation is floor for v >= 0
-        code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
-        for t in self.thresholds:
-            code += g > t
-        return code
+        """Codes (uint8, the shape of ``g``) of the float32 derivative values ``g``. A stochastic
+        code rounds with the dither of the Philox stream keyed by ``seed`` (None: a seed drawn
+        from the global generator)."""
+        if self.stochastic and seed is None:
+            seed = int(_draw_seed())
+        return _codes(g, self, None if seed is None else seed_tensor(seed).to(g.device))
 
     def decode(self, code: Tensor) -> Tensor:
         """The level (float32) of each code."""
         if self.stochastic:
             lo, step = self.levels[0], self.levels[1] - self.levels[0]
-            return code.float().mul_(step).add_(lo)
+            return code.float() * step + lo
         out = torch.full(code.shape, self.levels[0], dtype=torch.float32, device=code.device)
         for i in range(1, len(self.levels)):
-            out += (code >= i) * (self.levels[i] - self.levels[i - 1])
+            out = out + (code >= i) * (self.levels[i] - self.levels[i - 1])
         return out
+
+
+def _codes(g: Tensor, code: GeluCode, key: Tensor | None) -> Tensor:
+    """:meth:`GeluCode.encode` of ``g`` with the Philox stream ``key`` (stochastic codes)."""
+    top = 2**code.bits - 1
+    if code.stochastic:
+        lo, step = code.levels[0], code.levels[1] - code.levels[0]
+        # code = floor((g - lo) / step + u), u uniform on a 16-bit grid inside (0, 1)
+        v = g * (1 / step) + (-lo / step) + dither16(key, 0, g.numel()).view(g.shape)
+        return v.clamp(0, top).to(torch.uint8)  # truncation is floor for v >= 0
+    code_ = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
+    for t in code.thresholds:
+        code_ = code_ + (g > t)
+    return code_
+
+
+@fused
+def _encode(x: Tensor, code: GeluCode, key: Tensor | None, approximate: str) -> Tensor:
+    """The packed code of GELU's derivative at ``x``: derivative, rounding and packing in one
+    fused function (:func:`~sketchprop.compiling.fused`)."""
+    return pack_codes(_codes(gelu_derivative(x, approximate), code, key), code.bits)
+
+
+@fused
+def _backward(dy: Tensor, packed: Tensor, code: GeluCode) -> Tensor:
+    """``dY * level(code)``: unpacking, decoding and the product in one fused function."""
+    codes = unpack_codes(packed, code.bits, dy.numel()).view(dy.shape)
+    return (dy * code.decode(codes)).to(dy.dtype)
 
 
 class _CompactGeluFunction(torch.autograd.Function):
@@ -154,16 +174,17 @@ class _CompactGeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, code: GeluCode, seed: int | None = None,
                 approximate: str = "none") -> Tensor:
-        codes = code.encode(gelu_derivative(x, approximate), seed)
-        ctx.code, ctx.shape = code, x.shape
-        ctx.save_for_backward(pack_codes(codes, code.bits))
+        if code.stochastic and seed is None:
+            seed = int(_draw_seed())
+        key = None if seed is None else seed_tensor(seed).to(x.device)
+        ctx.code = code
+        ctx.save_for_backward(_encode(x, code, key, approximate))
         return F.gelu(x, approximate=approximate)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
-        codes = unpack_codes(packed, ctx.code.bits, dy.numel()).view(ctx.shape)
-        return (dy * ctx.code.decode(codes)).to(dy.dtype), None, None, None
+        return _backward(dy, packed, ctx.code), None, None, None
 
 
 class CompactGELU(nn.Module):

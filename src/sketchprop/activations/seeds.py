@@ -17,18 +17,20 @@ still pair masks with the activations they made.
 **Masks.** A mask element is dropped when a 16-bit random integer falls among the lowest
 ``round(p 2^16)`` of its 2^16 values, so the drop probability is ``p`` rounded to a multiple of
 2^-16 (``0.1 -> 0.100006``) and the kept elements are scaled by the inverse of the rounded keep
-probability: the expectation is exact. Drawing 64-bit words and splitting each into four 16-bit draws spends a
-quarter of the generator calls that ``bernoulli_`` does.
+probability: the expectation is exact. The 16-bit integers come from the Philox stream of
+:mod:`sketchprop.rng` keyed by the seed (:func:`~sketchprop.rng.random_uint16`, two per 32-bit
+word): the same mask eager and compiled, on every device. Mask and product are one fused
+function (:func:`dropout_apply`), which backward calls again on ``dY``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ..compiling import fused
 from ..functional import seed_tensor
+from ..rng import random_uint16
 
 
 def _draw_seed() -> Tensor:
@@ -36,25 +38,39 @@ def _draw_seed() -> Tensor:
     return seed_tensor(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
 
 
-def _random_int16(n: int, seed: int, device) -> Tensor:
-    """``n`` uniform 16-bit integers from ``seed``: 64-bit words, each split into four."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    words = torch.randint(-(2**63), 2**63 - 1, (-(-n // 4),), dtype=torch.int64, device=device,
-                          generator=gen)
-    return words.view(torch.int16)[:n]
-
-
 def _drop_threshold(p: float) -> tuple[int, float]:
-    """``(threshold, scale)``: keep a 16-bit draw ``r`` when ``r >= threshold``; ``scale`` is the
-    inverse keep probability, so that ``E[keep * scale] = 1`` exactly. (``p = 1`` drops everything
-    before any draw; just below it, one draw in 2^16 is kept.)"""
+    """``(dropped, scale)``: drop an element when its 16-bit draw ``r`` (in ``[0, 2^16)``) is below
+    ``dropped``; ``scale`` is the inverse keep probability, so that ``E[keep * scale] = 1``
+    exactly. (``p = 1`` drops everything before any draw; just below it, one draw in 2^16 is
+    kept.)"""
     dropped = min(round(p * 65536), 65535)
-    return dropped - 32768, 65536 / (65536 - dropped)
+    return dropped, 65536 / (65536 - dropped)
 
 
-def keep_mask(shape, p: float, seed: int, device) -> Tensor:
-    """The boolean keep mask of dropout probability ``p`` that ``seed`` makes (same seed, same
-    mask, on one device)."""
-    threshold, _ = _drop_threshold(p)
-    n = math.prod(shape)
-    return (_random_int16(n, seed, device) >= threshold).view(shape)
+def key_of(seed, device) -> Tensor:
+    """The Philox key (0-d int64 on ``device``) of a mask's ``seed`` (an int or a 0-d tensor)."""
+    return seed_tensor(seed).to(device)
+
+
+def _keep(like: Tensor, key: Tensor, dropped: int) -> Tensor:
+    """The keep mask (bool, the shape of ``like``) that ``key`` makes."""
+    return (random_uint16(key, 0, like.numel()) >= dropped).view(like.shape)
+
+
+@fused
+def dropout_apply(x: Tensor, key: Tensor, dropped: int, scale: float) -> Tensor:
+    """``x * keep * scale`` with the keep mask of ``key``: mask and product in one fused function
+    (:func:`~sketchprop.compiling.fused`). Forward applies it to the input, backward to ``dY``."""
+    return (x * _keep(x, key, dropped) * scale).to(x.dtype)
+
+
+@fused
+def _keep_like(like: Tensor, key: Tensor, dropped: int) -> Tensor:
+    return _keep(like, key, dropped)
+
+
+def keep_mask(shape, p: float, seed, device) -> Tensor:
+    """The boolean keep mask of dropout probability ``p`` that ``seed`` (an int or a 0-d tensor)
+    makes: the same on every device, eager or compiled."""
+    like = torch.empty(shape, dtype=torch.uint8, device=device)  # carries shape and device only
+    return _keep_like(like, key_of(seed, device), _drop_threshold(p)[0])

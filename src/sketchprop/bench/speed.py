@@ -63,7 +63,7 @@ import torch
 
 from sketchprop import quantize as q
 from sketchprop.activations.gelu import GeluCode, gelu_derivative
-from sketchprop.activations.packing import pack_codes, unpack_codes
+from sketchprop.packing import pack_codes, unpack_codes
 from sketchprop.activations.seeds import keep_mask
 from sketchprop.measure import usable_cores
 
