@@ -13,8 +13,16 @@ import pytest
 import torch
 from scipy import stats
 
-from sketchprop.rng import (MASK32, dither16, philox4x32, random_bits, random_int16, random_uint16,
-                            stream_key, uniform)
+from sketchprop.rng import (
+    MASK32,
+    dither16,
+    philox4x32,
+    random_bits,
+    random_int16,
+    random_uint16,
+    stream_key,
+    uniform,
+)
 
 FALSE_ALARM = 1e-6
 N = 1 << 20  # draws for the uniformity and independence tests

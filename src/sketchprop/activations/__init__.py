@@ -26,6 +26,7 @@ part the model has); each module's docstring says what its part keeps and why:
 gradients taken in eval mode (saliency, say) are the plain model's, and deterministic.
 """
 
+from ..packing import pack_codes, unpack_codes
 from .attention import (
     ATTENTION,
     ATTENTION_NAME,
@@ -63,7 +64,6 @@ from .mlp import (
     keeps_input,
 )
 from .norms import LAYERNORM, OutputLayerNorm, RMSNormFunction, is_layernorm, is_rms_norm, rms_norm_forward
-from ..packing import pack_codes, unpack_codes
 from .seeds import keep_mask
 
 __all__ = [

@@ -63,9 +63,9 @@ import torch
 
 from sketchprop import quantize as q
 from sketchprop.activations.gelu import GeluCode, gelu_derivative
-from sketchprop.packing import pack_codes, unpack_codes
 from sketchprop.activations.seeds import keep_mask
 from sketchprop.measure import usable_cores
+from sketchprop.packing import pack_codes, unpack_codes
 
 from .common import (
     BadArgs,
