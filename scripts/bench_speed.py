@@ -46,7 +46,8 @@ def main(argv=None) -> None:
     p.add_argument("--mask-shape", default="16x12x128x128")
     p.add_argument("--codec-rounds", type=int, default=9)
     p.add_argument("--inner", type=int, default=5, help="codec calls per timed sample")
-    p.add_argument("--compile", action="store_true", help="also each codec under torch.compile")
+    p.add_argument("--eager-codecs", action="store_true",
+                   help="also each codec eagerly, beside its fused (compiled) function")
     p.add_argument("--quick", action="store_true", help="tiny model and shapes: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")

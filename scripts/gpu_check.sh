@@ -18,9 +18,9 @@
 # model_<device>[_quick]_gpucheck_bits.{json,md}: b-bit stored rows (exact sketch + bits 8/4/2 on
 # every linear layer but the head), alone and with compact activations, under bf16 autocast:
 # step time against exact and saved bytes.
-# speed_<device>[_quick]_gpucheck.{json,md}: scripts/bench_speed.py under bf16 autocast, with the
-# codecs also under torch.compile: every method's step against exact and exact-skip, full and real
-# rows, and each codec beside a copy of its bytes.
+# speed_<device>[_quick]_gpucheck.{json,md}: scripts/bench_speed.py under bf16 autocast: every
+# method's step against exact and exact-skip, full and real rows, and each codec (fused: Triton
+# kernels here, and eagerly beside them) against a copy of its bytes and the dW product.
 set -euo pipefail
 
 DEVICE=cuda
@@ -85,7 +85,7 @@ BITS_METHODS=exact,int8,int4,int2,compact,int8+compact,int4+compact,int2+compact
     "${OUT_DIR[@]}" --models roberta-base --methods "$BITS_METHODS" --autocast bf16 "${COMPACT_ARGS[@]}"
 "$PY" scripts/saved_tensors.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}"
 "$PY" scripts/bench_speed.py --device "$DEVICE" --tag "$TAG" "${QUICK[@]}" "${OUT_DIR[@]}" \
-    --autocast bf16 --compile "${SPEED_ARGS[@]}"
+    --autocast bf16 --eager-codecs "${SPEED_ARGS[@]}"
 
 DIR=results/bench
 if [[ ${#OUT_DIR[@]} -gt 0 ]]; then DIR="${OUT_DIR[1]}"; fi

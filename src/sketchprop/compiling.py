@@ -27,11 +27,12 @@ dynamic and keys are tensors, so a new step, batch shape or seed reuses the kern
 cache keeps it across processes. Compiled and eager give the same random bits; float results may
 differ by the reassociation of a sum (a code may then round the other way, rarely). Where no
 compiler works (no C++ compiler, no Triton) the first call says so in one line and the codecs
-run eagerly from then on; ``SKETCHPROP_CODECS=eager`` chooses eager from the start.
+run eagerly from then on; ``SKETCHPROP_CODECS=eager`` (or :func:`eager_codecs`) chooses eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 F = TypeVar("F", bound=Callable)
 
@@ -57,14 +58,53 @@ def eager_island(fn: F) -> F:
 #: The environment switch: ``SKETCHPROP_CODECS=eager`` runs every fused codec eagerly.
 CODECS_ENV = "SKETCHPROP_CODECS"
 _no_compiler: set[str] = set()  # device types whose compiler failed once: eager from then on
+_eager_depth = 0  # open eager_codecs() contexts
+RECOMPILE_LIMIT = 64  # compiled variants of one fused function at most
+
+
+@contextlib.contextmanager
+def eager_codecs():
+    """Within this context every fused codec runs eagerly, as with ``SKETCHPROP_CODECS=eager``
+    (the same random bits; a benchmark times both ways with it)."""
+    global _eager_depth
+    _eager_depth += 1
+    try:
+        yield
+    finally:
+        _eager_depth -= 1
 
 
 def codecs_compiled(device_type: str) -> bool:
     """Whether the fused codecs run compiled on ``device_type`` (see the module docstring)."""
+    if _eager_depth:
+        return False
     mode = os.environ.get(CODECS_ENV, "compiled")
     if mode not in ("compiled", "eager"):
         raise ValueError(f"{CODECS_ENV} must be 'compiled' or 'eager', got {mode!r}")
     return mode == "compiled" and device_type not in _no_compiler
+
+
+# Shapes dynamic, Python numbers (code width, group, probabilities) constants: symbolic ones would
+# make every index a division, and the loops scalar. One graph per dtype, grad flag, constant set
+# and (at most twice) per shape: more than the compiler's default limit of 8 for a function that
+# serves every layer.
+_SETTINGS = {"specialize_int": True, "specialize_float": True, "recompile_limit": RECOMPILE_LIMIT}
+
+
+@contextlib.contextmanager
+def _settings():
+    """The compiler settings of the fused codecs, set around a call (``config.patch`` costs
+    about 20 us a call, as much as the rest of a compiled call's overhead; plain setattr does
+    not)."""
+    config = torch._dynamo.config
+    old = {k: getattr(config, k) for k in _SETTINGS}
+    for k, v in _SETTINGS.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(config, k, v)
 
 
 def fused(fn: F) -> F:
@@ -76,6 +116,7 @@ def fused(fn: F) -> F:
     # dynamic=None: compiled for the first shapes, then once more with the sizes that changed
     # made symbolic (the batch's rows), those that did not (a group of 64) kept constant.
     compiled = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
+    limit_warned = []
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -83,10 +124,14 @@ def fused(fn: F) -> F:
         if not codecs_compiled(device):
             return fn(*args, **kwargs)
         try:
-            # Shapes dynamic, Python numbers (code width, group, probabilities) constants:
-            # symbolic ones would make every index a division, and the loops scalar.
-            with torch._dynamo.config.patch(specialize_int=True, specialize_float=True):
+            with _settings():
                 return compiled(*args, **kwargs)
+        except FailOnRecompileLimitHit:  # the graphs compiled so far stay in use
+            if not limit_warned:
+                limit_warned.append(True)
+                warnings.warn(f"sketchprop: {fn.__qualname__} has {RECOMPILE_LIMIT} compiled "
+                              "variants; new ones run eagerly", stacklevel=2)
+            return fn(*args, **kwargs)
         except BackendCompilerFailed as err:  # no C++ compiler, no Triton: not a wrong input
             _no_compiler.add(device)
             warnings.warn(f"sketchprop: the codecs run eagerly on {device} (slower): compiling "

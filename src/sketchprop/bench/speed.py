@@ -46,7 +46,9 @@ with its baseline in rounds of its own, at each thread count:
   ``--mask-shape`` (16 x 12 x 128 x 128: roberta-base's attention probabilities) tensor, beside a
   copy of a float tensor of that shape.
 
-``--compile``: each codec function also as ``torch.compile(fn)``, in the same rounds.
+Each codec is one fused function, compiled where a compiler works
+(:func:`sketchprop.compiling.fused`); ``--eager-codecs`` also times each eagerly
+(``eager <op>``, :func:`~sketchprop.compiling.eager_codecs`), in the same rounds.
 
 ``scripts/bench_speed.py`` runs it (``make bench-speed``); outputs ``speed_<device>[_quick]<tag>``.
 """
@@ -62,10 +64,11 @@ from types import SimpleNamespace
 import torch
 
 from sketchprop import quantize as q
-from sketchprop.activations.gelu import GeluCode, gelu_derivative
+from sketchprop.activations import gelu
+from sketchprop.activations.gelu import GeluCode
 from sketchprop.activations.seeds import keep_mask
+from sketchprop.compiling import eager_codecs
 from sketchprop.measure import usable_cores
-from sketchprop.packing import pack_codes, unpack_codes
 
 from .common import (
     BadArgs,
@@ -102,6 +105,7 @@ TARGETS = {
 CODEC_TARGET = ("quantize+dequantize", "dW product", 0.20)
 ROW_KINDS = ("full", "real")
 COMPILED = "compiled "  # prefix of a compiled function's name
+EAGER = "eager "  # prefix of a codec run eagerly
 WARM_LIMIT = 10  # warm-up calls of a compiled function at most (dynamo's recompile limit is 8)
 
 
@@ -337,15 +341,16 @@ def codec_groups(args, dev, dtype) -> dict[str, tuple[str, dict]]:
     }
     code = GeluCode.uniform(2)
     x = randn(*shape_of(args.gelu_shape))
-    packed = pack_codes(code.encode(gelu_derivative(x), 1), code.bits)
+    key = torch.tensor(1, device=dev)
+    packed = gelu._encode(x, code, key, "none")
 
     def encode():
-        return pack_codes(code.encode(gelu_derivative(x), 1), code.bits)
+        return gelu._encode(x, code, key, "none")
 
     def decode(p=packed):
-        return code.decode(unpack_codes(p, code.bits, x.numel()).view(x.shape))
+        return gelu._backward(x, p, code)
 
-    gelu = {"copy input": lambda: torch.empty_like(x).copy_(x), "encode": encode,
+    gelu_ops = {"copy input": lambda: torch.empty_like(x).copy_(x), "encode": encode,
             "decode": decode, "encode+decode": lambda: decode(encode())}
     mshape = shape_of(args.mask_shape)
     m = randn(*mshape).float()
@@ -353,9 +358,17 @@ def codec_groups(args, dev, dtype) -> dict[str, tuple[str, dict]]:
             "regenerate mask": lambda: keep_mask(mshape, 0.1, 1, dev)}
     return {
         f"int{bits} rows {args.codec_rows}x{args.codec_cols}": ("dW product", rows),
-        f"GELU 2-bit code {args.gelu_shape}": ("copy input", gelu),
+        f"GELU 2-bit code {args.gelu_shape}": ("copy input", gelu_ops),
         f"dropout mask {args.mask_shape} (float32 copy)": ("copy input", mask),
     }
+
+
+def eager(fn):
+    """``fn`` with every fused codec in it run eagerly."""
+    def call():
+        with eager_codecs():
+            return fn()
+    return call
 
 
 def codec_rounds(args, dev, dtype, threads: int) -> dict:
@@ -366,16 +379,17 @@ def codec_rounds(args, dev, dtype, threads: int) -> dict:
     out = {}
     for gname, (base, fns) in codec_groups(args, dev, dtype).items():
         failed = {}
-        if args.compile:
-            for name, fn in list(fns.items()):
-                if name.startswith("copy"):
-                    continue
-                cfn = torch.compile(fn)
-                try:
-                    warm_compiled(cfn)
-                    fns[COMPILED + name] = cfn
-                except Exception as err:  # noqa: BLE001 -- reported, not raised
-                    failed[COMPILED + name] = failure(err)
+        for name, fn in list(fns.items()):
+            if name.startswith("copy") or name == "dW product":
+                continue
+            try:
+                warm_compiled(fn)  # the fused functions compile at their first calls
+            except Exception as err:  # noqa: BLE001 -- reported, not raised
+                failed[name] = failure(err)
+                del fns[name]
+                continue
+            if args.eager_codecs:
+                fns[EAGER + name] = eager(fn)
         measured = interleaved_times(fns, dev, warmup=2, repeats=args.codec_rounds,
                                      inner=args.inner, base=base, every=2)
         recs = {}
