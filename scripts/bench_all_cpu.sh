@@ -47,7 +47,7 @@ declare -A RUNS=(
     [decoders_gpt2_lora]="scripts/decoders.py --architectures gpt2 --batch 16 --methods exact,lora,lora+ours+compact --threads $T --tag _gpt2_lora"
     [decoders_gpt2_time]="scripts/decoders.py --architectures gpt2 --batch 16 --methods exact,compact,ours+compact,lora,lora+ours+compact --time-steps 5 --threads $T --tag _gpt2_time"
     # one thread and every core by itself (--threads 1,all), eager and compiled: about 2.5 h
-    [speed]="scripts/bench_speed.py --compile --compile-model"
+    [speed]="scripts/bench_speed.py --eager-codecs --compile-model"
 )
 ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 roberta_exactskip roberta_bytes
        roberta_memory minilm overhead variance layer_importance minilm_importance importance_variance

@@ -3,7 +3,7 @@ thread and all; each codec against a copy of its bytes (the benchmark: ``sketchp
 ``--help`` describes it).
 
     python scripts/bench_speed.py                          # results/bench/speed_cpu.{json,md}
-    python scripts/bench_speed.py --compile --compile-model
+    python scripts/bench_speed.py --eager-codecs --compile-model
     python scripts/bench_speed.py --quick --out-dir /tmp/speed   # tiny model, seconds
 """
 

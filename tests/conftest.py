@@ -1,9 +1,17 @@
-"""Shared fixtures: small GLUE-format files written by the tests themselves (no real GLUE data)."""
+"""Shared fixtures: small GLUE-format files written by the tests themselves (no real GLUE data).
 
+The suite runs the fused codecs eagerly (``SKETCHPROP_CODECS=eager``): compiling each of their
+variants would add minutes, and both ways draw the same bits. ``tests/test_codecs.py`` checks
+the compiled functions against the eager ones, and the tests marked ``compile`` run them compiled.
+"""
+
+import os
 import random
 
 import pytest
 import torch
+
+os.environ.setdefault("SKETCHPROP_CODECS", "eager")
 
 WORDS = "the a cat dog bird tree house river stone red blue old new runs sees near with".split()
 

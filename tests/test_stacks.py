@@ -227,10 +227,12 @@ def test_patching_through_the_compiled_wrapper_patches_the_model_inside():
 
 @pytest.mark.compile
 @pytest.mark.stack("compile", "sketch", "bits", "compact")
-def test_inductor_compiled_model_has_eager_gradients():
+def test_inductor_compiled_model_has_eager_gradients(monkeypatch):
     """The same under inductor, the default backend, with a sketch, 4-bit rows and the compact
-    parts: inductor's own kernels between the eager parts reassociate float sums, nothing more
-    (the b-bit codes are the eager ones: no bias from folded bfloat16 round trips)."""
+    parts, and the codecs compiled too (in both models): inductor's own kernels between the eager
+    parts reassociate float sums, nothing more (the b-bit codes are the same: no bias from folded
+    bfloat16 round trips)."""
+    monkeypatch.setenv("SKETCHPROP_CODECS", "compiled")
     _compiled_against_eager("roberta", "sketch + compact", "inductor", rtol=1e-4, atol=1e-5)
 
 

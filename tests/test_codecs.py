@@ -1,0 +1,130 @@
+"""The fused codecs (``sketchprop.compiling.fused``): compiled, each gives the eager function's
+codes; a new batch shape or seed reuses its kernel; without a compiler, or past the variant limit,
+it runs eagerly and says so once; ``SKETCHPROP_CODECS=eager`` and ``eager_codecs()`` force eager.
+
+The rest of the suite runs the codecs eagerly (tests/conftest.py); here they are compiled."""
+
+import pytest
+import torch
+
+from sketchprop import compiling
+from sketchprop import quantize as q
+from sketchprop.activations import dropout, gelu
+from sketchprop.activations.seeds import dropout_apply
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(autouse=True)
+def compiled_codecs(monkeypatch):
+    monkeypatch.setenv("SKETCHPROP_CODECS", "compiled")
+    monkeypatch.setattr(compiling, "_no_compiler", set())
+
+
+def frames() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def both(fn, *args):
+    """``fn(*args)`` compiled (asserting that it compiled or reused a graph) and eagerly."""
+    got = fn(*args)
+    with compiling.eager_codecs():
+        want = fn(*args)
+    return got, want
+
+
+def assert_same(got, want):
+    for a, b in zip(got if isinstance(got, tuple) else (got,),
+                    want if isinstance(want, tuple) else (want,), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", q.BITS)
+def test_quantize_and_dequantize_compiled_are_eager(bits, dtype):
+    g = torch.Generator().manual_seed(bits)
+    a = (torch.randn(37, 200, generator=g) * 3).to(dtype)  # 200 columns: a padded last group
+    got, want = both(lambda: q.quantize(a, bits, 64, seed=11, variance=True))
+    assert_same(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=0)
+    payload, spec, _ = got
+    got, want = both(lambda: q.dequantize(payload, spec))
+    torch.testing.assert_close(got, want, rtol=2**-23, atol=0)  # a fused multiply-add at most
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_masks_compiled_are_eager(dtype):
+    x = torch.randn(3, 5, 7).to(dtype)
+    key = torch.tensor(123456789)
+    dropped, scale = 6554, 65536 / (65536 - 6554)
+    assert_same(*both(dropout_apply, x, key, dropped, scale))
+    got, want = both(dropout._packed_forward, x, key, dropped, scale)
+    assert_same(got, want)
+    assert_same(*both(dropout._packed_backward, x, got[1], scale))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_code_compiled_is_eager_but_for_rare_rounding_flips(approximate):
+    """The compiled derivative may differ from the eager kernel's in its last bit, and a value
+    next to a level boundary then rounds the other way: at most 1 code in 10^4."""
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)) * 3
+    code, key = gelu.GeluCode.uniform(2), torch.tensor(5)
+    got, want = both(gelu._encode, x, code, key, approximate)
+    n = x.numel()
+    flips = (gelu.unpack_codes(got, 2, n) != gelu.unpack_codes(want, 2, n)).sum().item()
+    assert flips <= n // 10**4, flips
+    dy = torch.randn_like(x)
+    assert_same(*both(gelu._backward, dy, want, code))
+
+
+def test_a_new_shape_or_seed_reuses_the_kernels():
+    """After two batch shapes (the second makes the rows symbolic), further shapes and seeds
+    compile nothing."""
+    torch._dynamo.reset()
+    key = torch.tensor(1)
+    for rows in (10, 20):
+        q.dequantize(*q.quantize(torch.randn(rows, 128), 4, 64, seed=rows)[:2])
+        dropout_apply(torch.randn(rows, 48), key, 6554, 1.1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (30, 41, 7):
+            q.dequantize(*q.quantize(torch.randn(rows, 128), 4, 64, seed=rows)[:2])
+            dropout_apply(torch.randn(rows, 48), key.add(rows), 6554, 1.1)
+
+
+def test_without_a_compiler_the_codecs_run_eagerly_after_one_notice():
+    f = compiling.fused(lambda x, c: x * c + 1)
+    x = torch.randn(9)
+    # A compiler that is not there (and no cached kernel to fall back on).
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
+        with pytest.warns(UserWarning, match="codecs run eagerly on cpu") as record:
+            out = f(x, 2.5)
+        assert len(record) == 1
+        assert torch.equal(out, x * 2.5 + 1)
+        assert "cpu" in compiling._no_compiler
+        before = frames()
+        assert torch.equal(f(x, 3.5), x * 3.5 + 1)  # eager from now on, without a word
+        assert frames() == before
+
+
+def test_past_the_variant_limit_new_variants_run_eagerly(monkeypatch):
+    monkeypatch.setitem(compiling._SETTINGS, "recompile_limit", 1)
+    f = compiling.fused(lambda x, c: x * c)
+    x = torch.randn(5)
+    assert torch.equal(f(x, 2.0), x * 2.0)
+    with pytest.warns(UserWarning, match="compiled variants; new ones run eagerly"):
+        assert torch.equal(f(x, 3.0), x * 3.0)
+
+
+def test_the_switch_forces_eager_and_names_itself(monkeypatch):
+    f = compiling.fused(lambda x: x.exp() + 1)
+    x = torch.randn(4)
+    before = frames()
+    monkeypatch.setenv("SKETCHPROP_CODECS", "eager")
+    assert torch.equal(f(x), x.exp() + 1)
+    monkeypatch.setenv("SKETCHPROP_CODECS", "compiled")
+    with compiling.eager_codecs():
+        assert torch.equal(f(x), x.exp() + 1)
+    assert frames() == before
+    monkeypatch.setenv("SKETCHPROP_CODECS", "fast")
+    with pytest.raises(ValueError, match="SKETCHPROP_CODECS must be 'compiled' or 'eager'"):
+        f(x)
