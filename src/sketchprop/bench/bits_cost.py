@@ -6,10 +6,11 @@ For a ``rows x cols`` input (default 807 x 3072: the non-padding rows of a rober
 interleaved with ``quantize`` as the baseline (:func:`sketchprop.bench.common.interleaved_times`):
 
 - ``grid``: each group's bfloat16 ends and every value's position on its grid (``_grid``);
-- ``dither``: the 16-bit uniform draws of the stochastic rounding (``_dither``);
-- ``round``: adding the dither, flooring and casting to uint8 (what ``quantize`` does in place);
-- ``pack``: ``8 / bits`` codes per byte (``_pack``);
-- ``quantize``: the whole call (the sum of the above and the payload's concatenation);
+- ``dither``: the 16-bit uniform draws of the stochastic rounding (``sketchprop.rng.dither16``);
+- ``round``: adding the dither, flooring and casting to uint8;
+- ``pack``: ``8 / bits`` codes per byte (``sketchprop.packing.pack_codes``);
+- ``quantize``: the whole call, one fused function (compiled where a compiler works: then less
+  than the sum of the eager phases above);
 - ``dequantize``: the decode backward does before its product;
 - ``dW product``: ``dY^T X`` for a ``rows x 768`` output gradient, the full-size product backward
   computes from the decoded rows (as it does from ``X`` without codes).
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from sketchprop import quantize as q
+from sketchprop.packing import pack_codes
+from sketchprop.rng import dither16
 
 from .common import (
     environment,
@@ -36,18 +39,20 @@ PHASES = ("quantize", "grid", "dither", "round", "pack", "dequantize", "dW produ
 
 
 def phases(a: torch.Tensor, dy: torch.Tensor, bits: int, group: int) -> dict:
-    """One callable per phase, each on the same inputs."""
-    spec = q.QuantSpec(bits, group, *a.shape, a.dtype)
-    t, _, _ = q._grid(a, spec)
-    u = q._dither(t.numel(), 1, a.device).view_as(t)
-    codes = t.add(u).floor_().clamp_(max=(1 << bits) - 1).to(torch.uint8)
+    """One callable per phase, each on the same inputs (the phases eagerly; ``quantize`` and
+    ``dequantize`` as the library runs them: fused, compiled where a compiler works)."""
+    x = q._grouped(a, group)
+    t, _, _ = q._grid(x, bits)
+    key = torch.tensor(1, device=a.device)
+    u = dither16(key, 0, t.numel()).view_as(t)
+    codes = (t + u).floor().clamp(max=(1 << bits) - 1).to(torch.uint8)
     payload, spec, _ = q.quantize(a, bits, group, seed=1)
     return {
         "quantize": lambda: q.quantize(a, bits, group, seed=1),
-        "grid": lambda: q._grid(a, spec),
-        "dither": lambda: q._dither(t.numel(), 1, a.device),
-        "round": lambda: t.add(u).floor_().clamp_(max=(1 << bits) - 1).to(torch.uint8),
-        "pack": lambda: q._pack(codes.view(-1), bits),
+        "grid": lambda: q._grid(x, bits),
+        "dither": lambda: dither16(key, 0, t.numel()),
+        "round": lambda: (t + u).floor().clamp(max=(1 << bits) - 1).to(torch.uint8),
+        "pack": lambda: pack_codes(codes, bits),
         "dequantize": lambda: q.dequantize(payload, spec),
         "dW product": lambda: dy.T.mm(a),
     }
