@@ -17,6 +17,7 @@ from .figure5 import figure5
 from .figure6 import figure6
 from .frontier import build as frontier
 from .lora import lora
+from .stream_check import stream_check
 from .table2 import table2
 from .table3 import table3, table3_runs
 from .table4 import table4
@@ -41,6 +42,7 @@ def build(results: Path = RESULTS, cpu_experiment: str = "minilm_cpu") -> list[P
     table4(runs, cpu_experiment, tables / "table4", bench)
     comparisons(runs, cpu_experiment, tables / "comparisons")
     lora(runs, tables / "lora")
+    stream_check(results, tables / "stream_check")
     table2(runs, "table2", tables / "table2_roberta")
     table4(runs, "table4", tables / "table4_roberta", bench)
     table3_runs(runs, "table3", tables / "table3_roberta")

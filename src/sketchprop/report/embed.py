@@ -1,7 +1,7 @@
 """Generated tables embedded in the docs: the block ``name`` is the text between
 ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in whichever of ``README.md`` and ``docs/*.md``
-holds those markers (exactly one file, each marker once). ``table4`` and ``comparisons`` get the
-table ``results/tables/<name>.md`` less its title, ``frontier_summary`` the rows of
+holds those markers (exactly one file, each marker once). ``table4``, ``comparisons`` and
+``stream_check`` get the table ``results/tables/<name>.md`` less its title, ``frontier_summary`` the rows of
 ``results/tables/frontier.csv`` on a front (:func:`sketchprop.report.summary.frontier_summary`),
 ``stacks`` the training-stacks table read off the tests' markers
 (:func:`sketchprop.report.stacks.stacks_table`).
@@ -15,7 +15,7 @@ from .stacks import stacks_table
 from .summary import frontier_summary
 
 # The tables embedded whole (less their title), in the order they are written.
-TABLES = ("table4", "comparisons")
+TABLES = ("table4", "comparisons", "stream_check")
 
 
 class BlockError(SystemExit):
