@@ -128,3 +128,14 @@ def test_the_switch_forces_eager_and_names_itself(monkeypatch):
     monkeypatch.setenv("SKETCHPROP_CODECS", "fast")
     with pytest.raises(ValueError, match="SKETCHPROP_CODECS must be 'compiled' or 'eager'"):
         f(x)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_edge_inputs(mode, monkeypatch):
+    """No rows to code (every row padding) and codes in a slice that starts mid-word."""
+    monkeypatch.setenv("SKETCHPROP_CODECS", mode)
+    payload, spec, var = q.quantize(torch.randn(0, 100), 4, 64, seed=1, variance=True)
+    assert q.dequantize(payload, spec).shape == (0, 100) and var.shape == (0,)
+    codes = torch.randint(0, 8, (41,), dtype=torch.uint8)
+    for bits in (3, 4):
+        assert torch.equal(gelu.unpack_codes(gelu.pack_codes(codes[1:], bits), bits, 40), codes[1:])

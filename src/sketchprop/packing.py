@@ -20,6 +20,9 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     pad = -flat.numel() % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
+    elif not torch.compiler.is_compiling() and flat.storage_offset() % 8:
+        # an int64 view needs its first byte 8-byte aligned (a compiled caller's are fresh)
+        flat = flat.clone()
     if bits == 8:
         return flat
     word = flat.view(torch.int64)  # eight codes, code j in byte j (little-endian)

@@ -22,7 +22,10 @@ Why these choices:
   grid's span: 4 bytes per group, half of float32's, with float32's range.
 - **16-bit dither** from the Philox stream of :mod:`sketchprop.rng`, keyed by the seed the layer
   draws for the call (never the global stream, as the sketches'): a 16-bit uniform draw makes
-  ``E[code]`` exact to ``2^-17`` of a level step, and two draws come from one 32-bit word. A
+  ``E[code]`` exact to ``2^-17`` of a level step, and two draws come from one 32-bit word. (At 8
+  bits, positions ``t >= 128`` have a float32 spacing of ``2^-16``, so ``t + u`` can land on a tie
+  that rounds to even: an upward bias of at most ``2^-16`` of a step there, about ``6e-8`` of the
+  group's range; measured, and left.) A
   counter-based stream gives the same bits eager and compiled, on any device.
 - **One fused function** each way (:func:`~sketchprop.compiling.fused`): grid, dither, rounding
   and packing compile into one pass over the rows, unpacking and decoding into another.
@@ -108,7 +111,7 @@ def _grouped(a: Tensor, group: int) -> Tensor:
     x = a.float()
     if pad:
         x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)
-    return x.view(rows, -1, group)
+    return x.view(rows, (cols + pad) // group, group)  # no -1: rows may be 0
 
 
 def _grid(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -163,17 +166,18 @@ def quantize(a: Tensor, bits: int, group: int, seed: int,
     key = torch.tensor(seed ^ _DITHER, dtype=torch.int64, device=a.device)
     real = None
     if variance:
-        real = (torch.arange(x[0].numel(), device=a.device) < cols).float().view_as(x[0])
+        real = (torch.arange(x.shape[1] * group, device=a.device) < cols).float()
+        real = real.view(x.shape[1:])
     packed, lo, step, row_var = _encode(x, key, bits, real)
     ends = torch.stack([lo, step], dim=-1).reshape(-1).view(torch.uint8)
     return torch.cat([packed, ends]), spec, row_var
 
 
 @fused
-def _decode(packed: Tensor, ends: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+def _decode(packed: Tensor, ends: Tensor, bits: int, group: int, dtype: torch.dtype) -> Tensor:
     """The grouped rows (``groups x group``, ``dtype``) of packed codes and their groups' ends
     (bfloat16, ``groups x 2``): one fused function (:func:`~sketchprop.compiling.fused`)."""
-    codes = unpack_codes(packed, bits, packed.numel() * 8 // bits).view(ends.shape[0], -1).float()
+    codes = unpack_codes(packed, bits, packed.numel() * 8 // bits).view(-1, group).float()
     ends = ends.float()
     return (ends[:, :1] + codes * ends[:, 1:]).to(dtype)
 
@@ -182,5 +186,6 @@ def dequantize(payload: Tensor, spec: QuantSpec) -> Tensor:
     """The rows that ``payload`` codes (``spec.rows x spec.cols``, in ``spec.dtype``)."""
     packed, ends = payload[:spec.code_bytes], payload[spec.code_bytes:]
     ends = ends.view(torch.bfloat16).view(spec.rows * spec.groups, 2)
-    x = _decode(packed, ends, spec.bits, spec.dtype).view(spec.rows, -1)
+    x = _decode(packed, ends, spec.bits, spec.group, spec.dtype)
+    x = x.view(spec.rows, spec.groups * spec.group)
     return x[:, :spec.cols] if spec.groups * spec.group > spec.cols else x
