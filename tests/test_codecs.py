@@ -69,12 +69,12 @@ def test_gelu_code_compiled_is_eager_but_for_rare_rounding_flips(approximate):
     next to a level boundary then rounds the other way: at most 1 code in 10^4."""
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)) * 3
     code, key = gelu.GeluCode.uniform(2), torch.tensor(5)
-    got, want = both(gelu._encode, x, code, key, approximate)
+    got, want = both(gelu._encode, x, key, *code.constants("cpu", "encode"), approximate)
     n = x.numel()
     flips = (gelu.unpack_codes(got, 2, n) != gelu.unpack_codes(want, 2, n)).sum().item()
     assert flips <= n // 10**4, flips
     dy = torch.randn_like(x)
-    assert_same(*both(gelu._backward, dy, want, code))
+    assert_same(*both(gelu._backward, dy, want, *code.constants("cpu", "decode")))
 
 
 def test_a_new_shape_or_seed_reuses_the_kernels():
@@ -139,3 +139,25 @@ def test_edge_inputs(mode, monkeypatch):
     codes = torch.randint(0, 8, (41,), dtype=torch.uint8)
     for bits in (3, 4):
         assert torch.equal(gelu.unpack_codes(gelu.pack_codes(codes[1:], bits), bits, 40), codes[1:])
+
+
+def test_fitted_gelu_codes_share_one_kernel():
+    """Each module fits a deterministic code of its own; its thresholds and levels reach the
+    kernel as tensors, so a second module's code compiles nothing new, and compiled decodes as
+    eager."""
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    codes = [gelu.GeluCode.fit(x * s, 2) for s in (1.0, 2.0, 3.0)]
+    assert len(set(codes)) == 3
+    dy = torch.randn_like(x)
+
+    def step(code):
+        packed = gelu._encode(x, None, *code.constants("cpu", "encode"), "none")
+        return packed, gelu._backward(dy, packed, *code.constants("cpu", "decode"))
+
+    for code in codes[:2]:
+        got = step(code)
+        with compiling.eager_codecs():
+            assert_same(got, step(code))
+        assert torch.equal(got[1], dy * code.decode(code.encode(gelu.gelu_derivative(x))))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step(codes[2])

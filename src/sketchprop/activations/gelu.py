@@ -41,6 +41,7 @@ stochastic code spans the tanh form's derivative range, so it stays unbiased.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -126,45 +127,71 @@ class GeluCode:
         from the global generator)."""
         if self.stochastic and seed is None:
             seed = int(_draw_seed())
-        return _codes(g, self, None if seed is None else seed_tensor(seed).to(g.device))
+        key = None if seed is None else seed_tensor(seed).to(g.device)
+        return _codes(g, key, *self.constants(g.device, "encode"))
 
     def decode(self, code: Tensor) -> Tensor:
         """The level (float32) of each code."""
+        return _levels(code, *self.constants(code.device, "decode"))
+
+    def constants(self, device, side: str) -> tuple:
+        """What :func:`_codes` (``side="encode"``) or :func:`_levels` (``"decode"``) take after
+        their first argument: ``(table, bits, lo, step)``. A stochastic code is its width and two
+        numbers, constants of a compiled kernel (one for every module with that code); a fitted
+        code's ``table`` (float32 thresholds, or the first level and the steps between levels) is a
+        tensor, so that modules with codes of their own share the kernel."""
         if self.stochastic:
-            lo, step = self.levels[0], self.levels[1] - self.levels[0]
-            return code.float() * step + lo
-        out = torch.full(code.shape, self.levels[0], dtype=torch.float32, device=code.device)
-        for i in range(1, len(self.levels)):
-            out = out + (code >= i) * (self.levels[i] - self.levels[i - 1])
-        return out
+            return None, self.bits, self.levels[0], self.levels[1] - self.levels[0]
+        return _table(self, torch.device(device), side), self.bits, None, None
 
 
-def _codes(g: Tensor, code: GeluCode, key: Tensor | None) -> Tensor:
-    """:meth:`GeluCode.encode` of ``g`` with the Philox stream ``key`` (stochastic codes)."""
-    top = 2**code.bits - 1
-    if code.stochastic:
-        lo, step = code.levels[0], code.levels[1] - code.levels[0]
+@functools.lru_cache(maxsize=256)
+def _table(code: GeluCode, device: torch.device, side: str) -> Tensor:
+    values = code.thresholds if side == "encode" else (
+        code.levels[0], *(b - a for a, b in zip(code.levels, code.levels[1:])))
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _codes(g: Tensor, key: Tensor | None, table: Tensor | None, bits: int, lo: float | None,
+           step: float | None) -> Tensor:
+    """:meth:`GeluCode.encode` of ``g``: stochastic (``table`` None) with the Philox stream
+    ``key``, or by the thresholds in ``table``."""
+    if table is None:
         # code = floor((g - lo) / step + u), u uniform on a 16-bit grid inside (0, 1)
         v = g * (1 / step) + (-lo / step) + dither16(key, 0, g.numel()).view(g.shape)
-        return v.clamp(0, top).to(torch.uint8)  # truncation is floor for v >= 0
-    code_ = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
-    for t in code.thresholds:
-        code_ = code_ + (g > t)
-    return code_
+        return v.clamp(0, 2**bits - 1).to(torch.uint8)  # truncation is floor for v >= 0
+    code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
+    for i in range(table.shape[0]):
+        code = code + (g > table[i])
+    return code
+
+
+def _levels(code: Tensor, table: Tensor | None, bits: int, lo: float | None,
+            step: float | None) -> Tensor:
+    """:meth:`GeluCode.decode`: ``lo + code * step``, or the first level plus the steps between
+    levels up to the code (``table``)."""
+    if table is None:
+        return code.float() * step + lo
+    out = torch.zeros(code.shape, dtype=torch.float32, device=code.device) + table[0]
+    for i in range(1, table.shape[0]):
+        out = out + (code >= i) * table[i]
+    return out
 
 
 @fused
-def _encode(x: Tensor, code: GeluCode, key: Tensor | None, approximate: str) -> Tensor:
+def _encode(x: Tensor, key: Tensor | None, table: Tensor | None, bits: int, lo: float | None,
+            step: float | None, approximate: str) -> Tensor:
     """The packed code of GELU's derivative at ``x``: derivative, rounding and packing in one
     fused function (:func:`~sketchprop.compiling.fused`)."""
-    return pack_codes(_codes(gelu_derivative(x, approximate), code, key), code.bits)
+    return pack_codes(_codes(gelu_derivative(x, approximate), key, table, bits, lo, step), bits)
 
 
 @fused
-def _backward(dy: Tensor, packed: Tensor, code: GeluCode) -> Tensor:
+def _backward(dy: Tensor, packed: Tensor, table: Tensor | None, bits: int, lo: float | None,
+              step: float | None) -> Tensor:
     """``dY * level(code)``: unpacking, decoding and the product in one fused function."""
-    codes = unpack_codes(packed, code.bits, dy.numel()).view(dy.shape)
-    return (dy * code.decode(codes)).to(dy.dtype)
+    codes = unpack_codes(packed, bits, dy.numel()).view(dy.shape)
+    return (dy * _levels(codes, table, bits, lo, step)).to(dy.dtype)
 
 
 class _CompactGeluFunction(torch.autograd.Function):
@@ -178,13 +205,13 @@ class _CompactGeluFunction(torch.autograd.Function):
             seed = int(_draw_seed())
         key = None if seed is None else seed_tensor(seed).to(x.device)
         ctx.code = code
-        ctx.save_for_backward(_encode(x, code, key, approximate))
+        ctx.save_for_backward(_encode(x, key, *code.constants(x.device, "encode"), approximate))
         return F.gelu(x, approximate=approximate)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
-        return _backward(dy, packed, ctx.code), None, None, None
+        return _backward(dy, packed, *ctx.code.constants(dy.device, "decode")), None, None, None
 
 
 class CompactGELU(nn.Module):

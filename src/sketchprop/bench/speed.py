@@ -342,13 +342,14 @@ def codec_groups(args, dev, dtype) -> dict[str, tuple[str, dict]]:
     code = GeluCode.uniform(2)
     x = randn(*shape_of(args.gelu_shape))
     key = torch.tensor(1, device=dev)
-    packed = gelu._encode(x, code, key, "none")
+    enc, dec = code.constants(dev, "encode"), code.constants(dev, "decode")
+    packed = gelu._encode(x, key, *enc, "none")
 
     def encode():
-        return gelu._encode(x, code, key, "none")
+        return gelu._encode(x, key, *enc, "none")
 
     def decode(p=packed):
-        return gelu._backward(x, p, code)
+        return gelu._backward(x, p, *dec)
 
     gelu_ops = {"copy input": lambda: torch.empty_like(x).copy_(x), "encode": encode,
             "decode": decode, "encode+decode": lambda: decode(encode())}
