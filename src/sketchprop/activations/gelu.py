@@ -148,7 +148,7 @@ class GeluCode:
 @functools.lru_cache(maxsize=256)
 def _table(code: GeluCode, device: torch.device, side: str) -> Tensor:
     values = code.thresholds if side == "encode" else (
-        code.levels[0], *(b - a for a, b in zip(code.levels, code.levels[1:])))
+        code.levels[0], *(code.levels[i] - code.levels[i - 1] for i in range(1, len(code.levels))))
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
