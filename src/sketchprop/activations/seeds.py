@@ -66,11 +66,12 @@ def dropout_apply(x: Tensor, key: Tensor, dropped: int, scale: float) -> Tensor:
 
 @fused
 def _keep_like(like: Tensor, key: Tensor, dropped: int) -> Tensor:
-    return _keep(like, key, dropped)
+    # uint8, viewed as bool by the caller: a compiled CPU kernel stores bytes twice as fast
+    return _keep(like, key, dropped).to(torch.uint8)
 
 
 def keep_mask(shape, p: float, seed, device) -> Tensor:
     """The boolean keep mask of dropout probability ``p`` that ``seed`` (an int or a 0-d tensor)
     makes: the same on every device, eager or compiled."""
     like = torch.empty(shape, dtype=torch.uint8, device=device)  # carries shape and device only
-    return _keep_like(like, key_of(seed, device), _drop_threshold(p)[0])
+    return _keep_like(like, key_of(seed, device), _drop_threshold(p)[0]).view(torch.bool)
