@@ -199,4 +199,4 @@ def test_generated_blocks_are_the_tables_they_copy():
                 continue
             table = (REPO_ROOT / "results" / "tables" / f"{name}.md").read_text()
             assert body == table.split("\n", 2)[2].strip(), f"{page.name}: {name} is stale"
-    assert sorted(seen) == ["comparisons", "frontier_summary", "stacks", "table4"]
+    assert sorted(seen) == ["comparisons", "frontier_summary", "stacks", "stream_check", "table4"]
