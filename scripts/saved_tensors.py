@@ -3,6 +3,7 @@
 
     python scripts/saved_tensors.py --device cuda
     python scripts/saved_tensors.py --quick        # tiny model, seconds
+    python scripts/saved_tensors.py --rows full --methods exact,int4+compact,int4+lean,ckpt
 """
 
 import argparse
@@ -22,6 +23,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--task", default="MRPC", choices=sorted(TASKS))
+    p.add_argument("--rows", default="real", choices=["real", "full"],
+                   help="the task's real lengths, or every row a real token")
     p.add_argument("--glue-dir", default=default_glue_dir())
     add_threads_arg(p)
     p.add_argument("--quick", action="store_true")

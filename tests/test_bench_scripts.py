@@ -561,3 +561,19 @@ def test_equal_bytes_group_rule():
     assert score[128] == pytest.approx(2.1 * 2)
     assert eb.pick_group({2: score, 4: score}) == 64
     assert eb.pick_group({2: {32: 1.0, 64: 2.0}, 4: {32: 3.0, 64: 1.0}}) == 64  # geometric mean
+
+
+def test_lean_check_quick(tmp_path):
+    """The lean study measures every method, LayerNorm alone and the attention probabilities;
+    with 4-bit linear codes alone every dX is exact, so the LayerNorm parameters' gradients are
+    the exact model's, and lean's are not (its LayerNorm reads a code)."""
+    from sketchprop.bench import lean_check
+
+    run_script(py("lean_check.py", "--quick", "--threads", "1", "--out-dir", str(tmp_path)),
+               tmp_path)
+    data = json.loads((tmp_path / "lean_check_quick.json").read_text())["results"]
+    assert set(data["model"]) == set(lean_check.METHODS)
+    assert data["model"]["int4"]["layernorm"]["rel_err"] < 1e-10
+    assert data["model"]["int4+lean"]["layernorm"]["rel_err"] > 1e-6
+    assert 0 < data["attention"]["8 bits"] < data["attention"]["4 bits"] < 0.1
+    assert all(math.isfinite(v["rel_bias2"]) for v in data["layernorm"].values())

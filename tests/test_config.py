@@ -34,7 +34,7 @@ def test_groups_are_complete():
     assert stems["model"] >= {"roberta-base", "minilm", "tiny-roberta"}
     assert stems["method"] == set(SKETCHES)
     assert stems["scheme"] == {"ours", "paper"}
-    assert stems["activations"] == {"stored", "compact"}
+    assert stems["activations"] == {"stored", "compact", "lean"}
     assert stems["train"] >= {"paper", "cpu"}
     assert stems["logger"] == {"wandb", "none"}
     assert "smoke" in stems["experiment"]

@@ -48,7 +48,8 @@ class SketchedLinearFunction(torch.autograd.Function):
     seed), ``hooks`` (callables ``hook(dy2, x_shape, rows, sx, sdy, dw, ntop, qvar)`` run after
     the weight gradient: the gradient-norm estimate and the row allocation learn from them),
     ``quant`` (a :class:`~sketchprop.quantize.QuantSpec` when ``sx`` is the packed payload of
-    :func:`~sketchprop.quantize.quantize`, decoded in backward) and ``qvar`` (the stored rows'
+    :func:`~sketchprop.quantize.quantize`, decoded in backward; with ``rows``, a code of every row
+    is cut to them: :mod:`sketchprop.codes`) and ``qvar`` (the stored rows'
     rounding variances, saved only for the tracker and the hooks).
     """
 
@@ -85,6 +86,9 @@ class SketchedLinearFunction(torch.autograd.Function):
         if need_w:
             if ctx.quant is not None:
                 sx = dequantize(sx, ctx.quant)
+                if ctx.sketch.exact and rows is not None and sx.shape[0] != rows.shape[0]:
+                    # a code of every row (sketchprop.codes): keep the real ones
+                    sx = sx.index_select(0, rows)
             if index is not None:
                 sdy = ImportancePlan(index, scale, ntop).apply(dy2)
                 ntop = int(ntop)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import abc
-import hashlib
 import inspect
 import math
 import re
@@ -20,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .codes import code_of
 from .compiling import eager_island
 from .functional import SketchedLinearFunction, seed_tensor
 from .quantize import DEFAULT_GROUP, QuantSpec, check_bits, check_group, quantize
+from .rng import process_rank, stable_seed
 from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
 
 __all__ = ["RandomizedLinear", "SketchContext", "MaskHook", "CONTEXT_ATTRIBUTE", "DEFAULT_MIN_ROWS",
@@ -49,19 +50,6 @@ def conv1d_class() -> type | None:
     transformers is not loaded. A model that holds a ``Conv1D`` has loaded it; sketchprop does not
     import transformers (seconds) for the models that hold none."""
     return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-
-
-def process_rank() -> int:
-    """This process's rank in the default process group; 0 without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
-
-
-def _stable_seed(*parts) -> int:
-    """A 63-bit seed from the parts, the same in every process (unlike ``hash``)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _sample(x: Tensor) -> Tensor:
@@ -352,7 +340,7 @@ class _Sketched:
         # every process, and kept, the ranks' noise would no longer average out.
         rank = process_rank()
         if self._gen is None or self._gen_rank != rank:
-            self._gen = torch.Generator().manual_seed(_stable_seed(self.seed, self.name, rank))
+            self._gen = torch.Generator().manual_seed(stable_seed(self.seed, self.name, rank))
             self._gen_rank = rank
         self.calls += 1
         return int(torch.randint(0, 2**62, (), generator=self._gen))
@@ -388,9 +376,20 @@ class _Sketched:
             hit = self.context.lookup(key, x) if shared else None
             # b-bit rows: the rounding variances feed the variance estimates, when any reads them.
             want_qvar = self.tracker is not None or (allocated and not sketch.exact)
+            # A code of x filed by the part that made x (the lean preset): saved, not made again,
+            # where it is what this layer would make (sketchprop.codes).
+            # It covers every row: with padding rows skipped, backward keeps the real ones.
+            filed = None if (self.bits is None or not sketch.exact or want_qvar) else code_of(x)
+            if filed is not None and not filed.fits(self.bits, self.group,
+                                                    x.numel() // self.in_features, self.in_features):
+                filed = None
             if hit is not None:
                 sx, seed, plan, owner, qvar = hit
                 self._join(owner)
+            elif filed is not None:
+                sx = filed.payload
+                if shared:
+                    self.context.store(key, x, sx, seed, plan, self, qvar)
             else:
                 draw = self._next_seed()
                 x2 = inp.detach().reshape(-1, self.in_features)
@@ -408,7 +407,8 @@ class _Sketched:
                 if shared:
                     self.context.store(key, x, sx, seed, plan, self, qvar)
             if self.bits is not None:
-                stored = n if sketch.exact else k
+                stored = k if not sketch.exact else \
+                    filed.spec.rows if (filed is not None and sx is filed.payload) else n
                 quant = QuantSpec(self.bits, self.group, stored, self.in_features, inp.dtype)
             if sketch.data_dependent:
                 hooks.append(self.grad_norms.hook())

@@ -13,11 +13,9 @@ pretrained loading are unchanged.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import re
-import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -36,13 +34,13 @@ from .layers import (
     conv1d_class,
     resolve_rho,
 )
-from .quantize import DEFAULT_GROUP, check_bits, check_group
+from .quantize import BITS, DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
 from .tracking import select_layers
 from .variance import VarianceTracker, estimator_design
-from .wrappers import model_to_patch
+from .wrappers import _transformers_owner, bound, model_to_patch, override_forward, restore_forward
 
-__all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "RMSNORM", "patch_linear",
+__all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "PRESETS", "RMSNORM", "patch_linear",
            "unpatch_linear", "find_linear", "patch_activations", "unpatch_activations",
            "activation_defaults"]
 
@@ -299,40 +297,13 @@ class _Default:
 MLP = ("stored", "recompute", "input", "auto")
 RMSNORM = ("stored", "compact")
 LM_LOSS = ("stored", "chunked")
+#: ``preset=`` values: the parts' values a preset gives where its call does not (``"compact"``:
+#: the signature's defaults; ``"lean"``: LayerNorm outputs and attention block inputs kept once, as
+#: the codes the next layers share).
+PRESETS = {"compact": {}, "lean": {"layernorm": "coded", "attention": "coded"}}
 #: The value that turns each part of :func:`patch_activations` off.
 PARTS_OFF = {"dropout": "stored", "attention": "stored", "gelu_bits": None, "layernorm": "stored",
              "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored"}
-
-
-def _transformers_owner(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside ``model`` (itself, or a peft model's base model), or None.
-    transformers is not imported: a model of it has loaded it."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None:
-        return None
-    PreTrainedModel = modeling.PreTrainedModel  # noqa: N806
-    owner = model
-    if not isinstance(owner, PreTrainedModel) and callable(getattr(owner, "get_base_model", None)):
-        owner = owner.get_base_model()
-    return owner if isinstance(owner, PreTrainedModel) else None
-
-
-def override_forward(module: nn.Module, forward: Callable) -> None:
-    """Give ``module`` its own ``forward`` (an instance attribute, as :func:`restore_forward` finds
-    it): its type, parameters, submodules and state_dict stay as they are."""
-    module.__dict__["forward"] = forward
-
-
-def bound(fn: Callable, module: nn.Module) -> Callable:
-    """``fn`` bound to ``module``: a partial, which pickles (``torch.save(model)``) where a bound
-    method of a function that is not the module's own attribute does not."""
-    return functools.partial(fn, module)
-
-
-def restore_forward(module: nn.Module, forward: Callable) -> None:
-    """Undo :func:`override_forward` where ``forward`` is still the module's own forward."""
-    if module.__dict__.get("forward") is forward:
-        del module.__dict__["forward"]
 
 
 def _patterns(targets, exclude) -> str:
@@ -352,6 +323,9 @@ def patch_activations(
     lm_loss: str = _Default("chunked"),
     targets: str | None = None,
     exclude: str | None = None,
+    preset: str = "compact",
+    code_bits: int = 4,
+    code_group: int = DEFAULT_GROUP,
 ) -> list[str]:
     """Make what ``model`` saves for backward besides its linear inputs compact, in place.
 
@@ -378,7 +352,8 @@ def patch_activations(
             V are not BERT-style projections (a Llama fine-tuned without attention dropout):
             that attention keeps no probabilities, and recomputing would save at most its
             output and, in a padded batch, SDPA's per-layer float mask, for a second pass in
-            backward.
+            backward. ``"coded"``: as ``"recompute"``, from a ``code_bits``-bit code of the block's
+            input (:class:`~sketchprop.activations.CodeAttentionInput`; not exact).
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
             :class:`~sketchprop.activations.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
@@ -387,7 +362,9 @@ def patch_activations(
         layernorm: ``"output"`` (:class:`~sketchprop.activations.OutputLayerNorm` in place of each
             ``nn.LayerNorm``: backward works from the output, which the next block keeps anyway
             in a post-LN encoder, and per-row statistics, not from the input; exact to float32
-            rounding) or ``"stored"``.
+            rounding), ``"coded"`` (:class:`~sketchprop.activations.CodedLayerNorm`: from a
+            ``code_bits``-bit code of the output, shared with the next layers; a bias of second
+            order) or ``"stored"``.
         mlp: ``"recompute"``: each SiLU-gated MLP (Llama's ``down(silu(gate(x)) * up(x))``)
             keeps the gate and up outputs only (:func:`~sketchprop.activations.gated_mlp_forward`;
             exact); ``"input"``: it keeps its input only, and backward computes the gate and up
@@ -404,6 +381,14 @@ def patch_activations(
             exact; ``logits`` is None in the output while it trains with labels), or ``"stored"``.
         targets / exclude: regexes on qualified module names selecting the dropout, GELU,
             LayerNorm, MLP and RMSNorm modules, as in :func:`patch_linear`.
+        preset: ``"compact"`` (the defaults above) or ``"lean"``: ``layernorm="coded"`` and
+            ``attention="coded"`` too, so that each LayerNorm output and attention block input is
+            kept once, as one ``code_bits``-bit code (groups of ``code_group``) that LayerNorm's
+            backward, the attention's recompute and the next linear layers read (shared with
+            :func:`patch_linear`'s codes of the same width and group: ``bits=4`` with the
+            defaults; :mod:`sketchprop.codes`). Biased at second order (docs/library.md, "Lean").
+            Options given explicitly override the preset's.
+        code_bits / code_group: width (8, 4 or 2) and columns per scale of the ``"coded"`` parts.
 
     Returns:
         The qualified names of the modules replaced (dropout, GELU) or given a forward of their
@@ -417,12 +402,18 @@ def patch_activations(
             match no module of any part; nothing to apply; ``layernorm="output"`` on a sharded
             model (:mod:`sketchprop.wrappers`). Nothing is changed when it raises.
     """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    code_bits, code_group = check_bits(code_bits), check_group(code_group)
+    if code_bits is None:
+        raise ValueError(f"code_bits must be one of {list(BITS)}, got None")
     options = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
                "gelu_code": gelu_code, "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm,
                "lm_loss": lm_loss}
     given = {k: not isinstance(v, _Default) for k, v in options.items()}
     dropout, attention, gelu_bits, gelu_code, layernorm, mlp, rmsnorm, lm_loss = (
-        v.value if isinstance(v, _Default) else v for v in options.values())
+        PRESETS[preset].get(k, v.value) if isinstance(v, _Default) else v
+        for k, v in options.items())
     for name, value, allowed in (("dropout", dropout, act.DROPOUT),
                                  ("attention", attention, act.ATTENTION),
                                  ("layernorm", layernorm, act.LAYERNORM), ("mlp", mlp, MLP),
@@ -431,7 +422,7 @@ def patch_activations(
             raise ValueError(f"unknown {name} {value!r}; choose one of {list(allowed)}")
     if gelu_bits is not None:
         act.CompactGELU(gelu_bits, gelu_code)  # raises for bad bits or code
-    model = model_to_patch(model, "patch_activations", (nn.LayerNorm,) * (layernorm == "output"),
+    model = model_to_patch(model, "patch_activations", (nn.LayerNorm,) * (layernorm != "stored"),
                            ", or pass layernorm='stored'")
     values = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
               "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm, "lm_loss": lm_loss}
@@ -478,9 +469,12 @@ def patch_activations(
                 else act.CompactGELU
             new[n] = kind(gelu_bits, gelu_code, name=n).train(model.get_submodule(n).training)
         applied["gelu_bits"], selected = len(names), selected + len(names)
-    if layernorm == "output":
+    if layernorm != "stored":
         names = select("layernorm", act.is_layernorm, "nn.LayerNorm")
-        new.update({n: act.OutputLayerNorm.from_layernorm(model.get_submodule(n)) for n in names})
+        for n in names:
+            norm = model.get_submodule(n)
+            new[n] = act.OutputLayerNorm.from_layernorm(norm) if layernorm == "output" else \
+                act.CodedLayerNorm.from_layernorm(norm, code_bits, code_group, name=n)
         applied["layernorm"], selected = len(names), selected + len(names)
     for part, on, kind, what, forward in (
             ("mlp", mlp != "stored", act.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
@@ -512,7 +506,7 @@ def patch_activations(
             name = next(n for n, m in model.named_modules() if m is head)
             forwards[name] = (owner, act.LMLossForward(owner))
             applied["lm_loss"] = 1
-    if attention == "recompute":
+    if attention != "stored":
         try:
             attention_owner = _attention_owner(model)
             reason = _attention_refusal(attention_owner)
@@ -542,8 +536,10 @@ def patch_activations(
         # Self-attention modules hand their input to the attention function, which keeps it in
         # place of Q, K and V where it can make them again (sketchprop.activations.attention).
         state["hooks"] = [
-            hook for m in owner.modules() if act.has_projections(m)
-            for hook in (m.register_forward_pre_hook(act.keep_attention_input, with_kwargs=True),
+            hook for n, m in owner.named_modules() if act.has_projections(m)
+            for hook in (m.register_forward_pre_hook(
+                act.keep_attention_input if attention == "recompute" else
+                act.CodeAttentionInput(code_bits, code_group, name=n), with_kwargs=True),
                          m.register_forward_hook(act.drop_attention_input, with_kwargs=True,
                                                  always_call=True))]
     setattr(model, _ACTIVATIONS, state)

@@ -86,6 +86,39 @@ def stream_key(seed: int, name: str, rank: int = 0, device=None) -> Tensor:
                         device=device)
 
 
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from the parts, the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def process_rank() -> int:
+    """This process's rank in the default process group; 0 without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class SeedStream:
+    """One module's seeds, one per call: a ``torch.Generator`` seeded with
+    ``stable_seed(kind, torch.initial_seed(), name, rank)``, never the global one. The rank is read
+    at every draw: a stream begun before the process group existed was rank 0's on every process,
+    and kept, the ranks' rounding noise would no longer average out."""
+
+    def __init__(self, kind: str, name: str = ""):
+        self.kind, self.name = kind, name
+        self._gen: torch.Generator | None = None
+        self._rank: int | None = None  # the rank ``_gen`` was seeded for
+
+    def next(self) -> int:
+        rank = process_rank()
+        if self._gen is None or self._rank != rank:
+            self._gen = torch.Generator().manual_seed(
+                stable_seed(self.kind, torch.initial_seed(), self.name, rank))
+            self._rank = rank
+        return int(torch.randint(0, 2**62, (), generator=self._gen))
+
+
 def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """The high and low 32-bit words of ``a * m`` (``a`` in ``[0, 2^32)``, ``m`` a 32-bit
     constant), from two products below 2^48 so that int64 never overflows."""

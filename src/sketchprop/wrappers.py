@@ -13,9 +13,9 @@ wrapping work, the model a patch call changes, and a clear refusal where an orde
   parameters and hands views of them to the modules it recorded: a module swapped in afterwards
   holds stale views (or cannot take them: they are not Parameters) and fails too. So on a
   sharded model a call that would replace modules holding parameters (``patch_linear``,
-  ``patch_activations`` with ``layernorm="output"``, and their inverses) refuses before changing
-  anything; the rest of ``patch_activations`` (dropout, GELU, the gated MLP, RMSNorm, the loss,
-  attention) replaces no parameters and works on a sharded model too.
+  ``patch_activations`` with ``layernorm="output"`` or ``"coded"``, and their inverses) refuses
+  before changing anything; the rest of ``patch_activations`` (dropout, GELU, the gated MLP,
+  RMSNorm, the loss, attention) replaces no parameters and works on a sharded model too.
 
 torch.distributed is never imported here: a model wrapped by one of them has imported it, so the
 classes are looked up among the loaded modules (an absent one wraps nothing).
@@ -23,7 +23,9 @@ classes are looked up among the loaded modules (an absent one wraps nothing).
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 
 from torch import nn
 
@@ -103,3 +105,37 @@ def model_to_patch(model: nn.Module, call: str, replaces: tuple[type | None, ...
             f"{call} must run before {by}: the modules it would replace ({shown}) hold parameters "
             f"{by} manages, and {by} would go on handing them to the old modules; {order}{also}")
     return model
+
+
+# A transformers model inside a peft wrapper, and forwards given to modules in place.
+
+
+def _transformers_owner(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside ``model`` (itself, or a peft model's base model), or None.
+    transformers is not imported: a model of it has loaded it."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return None
+    PreTrainedModel = modeling.PreTrainedModel  # noqa: N806
+    owner = model
+    if not isinstance(owner, PreTrainedModel) and callable(getattr(owner, "get_base_model", None)):
+        owner = owner.get_base_model()
+    return owner if isinstance(owner, PreTrainedModel) else None
+
+
+def override_forward(module: nn.Module, forward: Callable) -> None:
+    """Give ``module`` its own ``forward`` (an instance attribute, as :func:`restore_forward` finds
+    it): its type, parameters, submodules and state_dict stay as they are."""
+    module.__dict__["forward"] = forward
+
+
+def bound(fn: Callable, module: nn.Module) -> Callable:
+    """``fn`` bound to ``module``: a partial, which pickles (``torch.save(model)``) where a bound
+    method of a function that is not the module's own attribute does not."""
+    return functools.partial(fn, module)
+
+
+def restore_forward(module: nn.Module, forward: Callable) -> None:
+    """Undo :func:`override_forward` where ``forward`` is still the module's own forward."""
+    if module.__dict__.get("forward") is forward:
+        del module.__dict__["forward"]

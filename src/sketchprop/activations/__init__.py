@@ -11,10 +11,12 @@ part the model has); each module's docstring says what its part keeps and why:
 
 - :mod:`~sketchprop.activations.dropout`: :class:`SeededDropout`, :class:`PackedDropout`
   (``dropout=``).
-- :mod:`~sketchprop.activations.attention`: :func:`recompute_attention` (``attention=``).
+- :mod:`~sketchprop.activations.attention`: :func:`recompute_attention` (``attention=``), and
+  :class:`CodeAttentionInput` (``attention="coded"``).
 - :mod:`~sketchprop.activations.gelu`: :class:`CompactGELU`, :class:`CompactTanhGELU` and their
   codes, :class:`GeluCode` (``gelu_bits=``, ``gelu_code=``).
-- :mod:`~sketchprop.activations.norms`: :class:`OutputLayerNorm` (``layernorm=``),
+- :mod:`~sketchprop.activations.norms`: :class:`OutputLayerNorm`, :class:`CodedLayerNorm`
+  (``layernorm=``),
   :class:`RMSNormFunction` (``rmsnorm=``).
 - :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards (``mlp=``).
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
@@ -30,6 +32,7 @@ from ..packing import pack_codes, unpack_codes
 from .attention import (
     ATTENTION,
     ATTENTION_NAME,
+    CodeAttentionInput,
     drop_attention_input,
     forget_attention_check,
     has_projections,
@@ -63,12 +66,22 @@ from .mlp import (
     is_gated_mlp,
     keeps_input,
 )
-from .norms import LAYERNORM, OutputLayerNorm, RMSNormFunction, is_layernorm, is_rms_norm, rms_norm_forward
+from .norms import (
+    LAYERNORM,
+    CodedLayerNorm,
+    OutputLayerNorm,
+    RMSNormFunction,
+    is_layernorm,
+    is_rms_norm,
+    rms_norm_forward,
+)
 from .seeds import keep_mask
 
 __all__ = [
     "ATTENTION",
     "ATTENTION_NAME",
+    "CodeAttentionInput",
+    "CodedLayerNorm",
     "DEFAULT_GELU_BITS",
     "DEFAULT_GELU_CODE",
     "DROPOUT",

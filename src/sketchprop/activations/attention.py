@@ -11,6 +11,13 @@ activation of the hidden size instead of three, for a second Q/K/V projection in
 Exact. On CUDA it calls PyTorch's ``scaled_dot_product_attention``, whose memory-efficient and
 flash kernels already keep no probabilities (but keep Q, K and V).
 
+**Coded** (``attention="coded"``, the lean preset): the block's input is kept as its ``b``-bit
+code, the one its LayerNorm filed or one made by :class:`CodeAttentionInput` (and shared with the
+Q, K, V projections' codes: :mod:`sketchprop.codes`), and backward makes Q, K and V again from the
+decoded input. Not exact: the recomputed probabilities differ from forward's, and the gradients
+of Q, K, V carry their error (a bias, as the softmax is not linear); both measured by
+``scripts/lean_check.py``.
+
 Attention (grouped K/V heads, rotary embeddings) goes through
 :func:`recompute_attention`, which keeps the rotated Q and K and the
 unrepeated K/V heads (``num_key_value_heads`` of them) and recomputes the probabilities.
@@ -25,13 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
 from ..functional import seed_tensor
+from ..rng import SeedStream
 from .projections import _linear_weights, forward_hooks_on
 from .seeds import _draw_seed, _drop_threshold, keep_mask
 
 #: ``attention=`` values.
-ATTENTION = ("stored", "recompute")
+ATTENTION = ("stored", "recompute", "coded")
 
 #: The name under which :func:`recompute_attention` is registered with transformers.
 ATTENTION_NAME = "sketchprop_recompute"
@@ -129,22 +138,27 @@ class _ProjectedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
-                pairs: tuple):
+                pairs: tuple, code: SharedCode | None = None):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
+        ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
         # Detached views share storage and version counter: an in-place change to x or a weight
         # before backward still raises, and the meter counts x once with the linears' own copy.
-        ctx.save_for_backward(mask, seed, x.detach(), *(None if t is None else t.detach()
-                                                        for pair in pairs for t in pair))
+        # With a code of x (attention="coded"), its payload in x's place.
+        ctx.save_for_backward(mask, seed, x.detach() if code is None else code.payload,
+                              *(None if t is None else t.detach() for pair in pairs for t in pair))
         return _attend(q, k, v, mask, scaling, p, int(seed))
 
     @staticmethod
     def backward(ctx, dout):
         mask, seed, x, *weights = ctx.saved_tensors
+        if ctx.code is not None:
+            spec, shape, dtype = ctx.code
+            x = SharedCode(x, spec).decode(dtype).view(shape)
         with torch.autocast(x.device.type, enabled=False):
             qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim)
                    for w, b in zip(weights[0::2], weights[1::2], strict=True)]
         grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
-        return *grads, *[None] * 6
+        return *grads, *[None] * 7
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
@@ -161,7 +175,8 @@ def has_projections(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
 
 
-# Per thread: {id(module): [input of each self-attention call in progress, innermost last]}.
+# Per thread: {id(module): [(input, its code or None) of each self-attention call in progress,
+# innermost last]}.
 # A call's input is per call, never module state: two threads, or a module called again inside
 # its own call, each see their own.
 _calls = threading.local()
@@ -179,9 +194,36 @@ def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
     copy), for this call and thread only, for :func:`recompute_attention` to save in place of
     Q, K and V."""
+    _inputs().setdefault(id(module), []).append((_own_input(args, kwargs), None))
+
+
+def _own_input(args: tuple, kwargs: dict) -> Tensor | None:
+    """A self-attention call's input, where it projects its own input (no cache, no encoder)."""
     x = args[0] if args else kwargs.get("hidden_states")
     own = isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES)
-    _inputs().setdefault(id(module), []).append(x if own else None)
+    return x if own else None
+
+
+class CodeAttentionInput:
+    """Forward pre-hook on a self-attention module under ``attention="coded"``: as
+    :func:`keep_attention_input`, and in training with gradients the input's ``bits``-bit code
+    (the one filed under it, or one made and filed here: :mod:`sketchprop.codes`), from which
+    backward makes Q, K and V again. Made here, before the projections run, so that Q, K and V
+    save the same code. ``name`` (the module's qualified name) seeds the rounding's stream. A
+    class, not a closure, so that ``torch.save(model)`` can pickle it."""
+
+    def __init__(self, bits: int, group: int, name: str = ""):
+        self.bits, self.group, self.seeds = bits, group, SeedStream("attention-input", name)
+
+    @eager_island
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x, code = _own_input(args, kwargs), None
+        if x is not None and module.training and torch.is_grad_enabled() \
+                and x.dtype in (torch.float32, torch.float64):
+            code = code_of(x)
+            if code is None or code.spec.rows * code.spec.cols != x.numel():
+                code = make_code(x, self.bits, self.group, self.seeds.next())
+        _inputs().setdefault(id(module), []).append((x, code))
 
 
 @eager_island
@@ -195,9 +237,9 @@ def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -
             del inputs[id(module)]
 
 
-def _attention_input(module: nn.Module) -> Tensor | None:
+def _attention_input(module: nn.Module) -> tuple[Tensor | None, SharedCode | None]:
     stack = _inputs().get(id(module))
-    return stack[-1] if stack else None
+    return stack[-1] if stack else (None, None)
 
 
 def forget_attention_check(module: nn.Module) -> None:
@@ -215,13 +257,14 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
-                        value: Tensor) -> tuple[Tensor, tuple] | None:
-    """The attention block's input and its Q, K, V projections' ``(weight, bias)`` pairs when Q,
-    K and V can be made again from them, else None. The first call on a module checks that they
+                        value: Tensor) -> tuple[Tensor, tuple, SharedCode | None] | None:
+    """The attention block's input, its Q, K, V projections' ``(weight, bias)`` pairs and the
+    input's code under ``attention="coded"`` (else None) when Q, K and V can be made again from
+    them, else None. The first call on a module checks that they
     give the very Q, K, V the model passed (one extra projection, once), and so does every call
     while hooks may change them (:func:`_hooked`); a module that fails the check keeps Q, K and V
     from then on, with a warning."""
-    x = _attention_input(module)
+    x, code = _attention_input(module)
     pairs = [_linear_weights(getattr(module, n, None)) for n in _PROJECTIONS]
     if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
             or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
@@ -236,7 +279,7 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                           "input; recompute_attention keeps Q, K and V for this module",
                           stacklevel=3)
             return None
-    return x, tuple(pairs)
+    return x, tuple(pairs), code
 
 
 @eager_island

@@ -52,9 +52,8 @@ from torch import Tensor, nn
 
 from ..compiling import eager_island, fused
 from ..functional import seed_tensor
-from ..layers import _stable_seed, process_rank
 from ..packing import pack_codes, unpack_codes
-from ..rng import dither16
+from ..rng import SeedStream, dither16
 from .seeds import _draw_seed
 
 #: ``gelu_code=`` values (see the module docstring).
@@ -235,19 +234,10 @@ class CompactGELU(nn.Module):
             raise ValueError(f"unknown gelu_code {code!r}; choose one of {list(GELU_CODES)}")
         self.bits, self.code, self.name = bits, code, name
         self.fitted: GeluCode | None = GeluCode.uniform(bits) if code == "stochastic" else None
-        self._gen: torch.Generator | None = None
-        self._gen_rank: int | None = None  # the rank ``_gen`` was seeded for
+        self.seeds = SeedStream("gelu", name)
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, code={self.code}"
-
-    def _next_seed(self) -> int:
-        rank = process_rank()  # read at every draw, as RandomizedLinear's sketches are
-        if self._gen is None or self._gen_rank != rank:  # each rank rounds with its own dither
-            self._gen = torch.Generator().manual_seed(
-                _stable_seed("gelu", torch.initial_seed(), self.name, rank))
-            self._gen_rank = rank
-        return int(torch.randint(0, 2**62, (), generator=self._gen))
 
     @eager_island
     def forward(self, x: Tensor) -> Tensor:
@@ -257,7 +247,7 @@ class CompactGELU(nn.Module):
         if self.fitted is None:
             self.fitted = GeluCode.fit(x, self.bits, derivative=partial(gelu_derivative,
                                                                         approximate=form))
-        seed = self._next_seed() if self.fitted.stochastic else None
+        seed = self.seeds.next() if self.fitted.stochastic else None
         return _CompactGeluFunction.apply(x, self.fitted, seed, form)
 
 

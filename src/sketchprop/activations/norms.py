@@ -13,6 +13,18 @@ losing float32 accuracy) keep their input columns instead; a half-precision inpu
 stored path (its output, in float32 under autocast, would be larger). Exact to float32
 rounding: the gradients are within 1e-5 (relative) of the stored path's.
 
+**Coded** (:class:`CodedLayerNorm`, ``layernorm="coded"``, the lean preset): as ``"output"``,
+but the output is kept as a ``b``-bit code (groups of 64 columns by default, stochastic rounding:
+unbiased), filed for the next layers to share (:mod:`sketchprop.codes`): the next linear layers'
+``b``-bit codes of their input and the next attention block's input are then this one code.
+Backward decodes it, ``x~ = (y~ - beta) / gamma``. The weight's gradient ``sum dY x~`` and the
+input's first two terms are linear in ``x~``: unbiased. The input's last term,
+``x~_i mean_j(gamma_j dY_j x~_j)``, is quadratic in the code: its bias is
+``Var(e_i / gamma_i) / n`` (``e`` the rounding error of ``y``, ``n`` the width) times that
+element's own first term, ``gamma_i dY_i / std``; measured on real activations by
+``scripts/lean_check.py``. A column with a small ``gamma`` divides its rounding error by it: those
+below the floor above keep their input, as in ``"output"``.
+
 **RMSNorm** (``rmsnorm="compact"``, :class:`RMSNormFunction`): keeps its input and one float32
 statistic per row (``1 / rms``); backward makes the normalised input again. Exact. Applied to
 modules named ``*RMSNorm`` that compute ``weight * (x / rms(x))`` (checked on a random input
@@ -26,14 +38,38 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..codes import SharedCode, file_code
 from ..compiling import eager_island
+from ..quantize import DEFAULT_GROUP, check_bits, check_group, quantize
+from ..rng import SeedStream
 
-#: ``layernorm=`` values: LayerNorm keeps its input (the model's own) or its output.
-LAYERNORM = ("stored", "output")
+#: ``layernorm=`` values: LayerNorm keeps its input (the model's own), its output, or a code of its
+#: output that the next layers share.
+LAYERNORM = ("stored", "output", "coded")
 
 # A column whose |gamma| is below this times (1 + |beta|) keeps its input: dividing by it would
 # lose float32 accuracy (the error of x^ grows as |beta| / |gamma| times float32's epsilon).
 _GAMMA_FLOOR = 1e-2
+
+
+def _backward_from_output(ctx, dy, y, rstd, weight, bias, kept, cols, mean):
+    """LayerNorm's ``(dx, dw, db)`` from its output ``y`` (2-D), ``1 / std`` per row and the
+    input columns listed in ``kept`` (with the row means)."""
+    if weight is None:
+        xhat = y if bias is None else y - bias
+    else:  # (y - beta) / gamma as y / gamma - beta / gamma: one new tensor, two passes
+        inverse = weight.reciprocal()
+        xhat = y * inverse
+        if bias is not None:
+            xhat.sub_(bias * inverse)
+    if kept is not None:
+        xhat.index_copy_(-1, kept, (cols - mean).mul_(rstd))
+    need = ctx.needs_input_grad
+    # The native backward given x^ with mean 0 and 1 / std = 1 returns dX / rstd.
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy, xhat, (y.shape[-1],), torch.zeros_like(rstd), torch.ones_like(rstd), weight, bias,
+        [need[0], need[1] and weight is not None, need[2] and bias is not None])
+    return None if dx is None else dx.mul_(rstd), dw, db
 
 
 class _OutputLayerNormFunction(torch.autograd.Function):
@@ -49,22 +85,31 @@ class _OutputLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        y, rstd, weight, bias, kept, cols, mean = ctx.saved_tensors
-        if weight is None:
-            xhat = y if bias is None else y - bias
-        else:  # (y - beta) / gamma as y / gamma - beta / gamma: one new tensor, two passes
-            inverse = weight.reciprocal()
-            xhat = y * inverse
-            if bias is not None:
-                xhat.sub_(bias * inverse)
-        if kept is not None:
-            xhat.index_copy_(-1, kept, (cols - mean).mul_(rstd))
-        need = ctx.needs_input_grad
-        # The native backward given x^ with mean 0 and 1 / std = 1 returns dX / rstd.
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy, xhat, (y.shape[-1],), torch.zeros_like(rstd), torch.ones_like(rstd), weight, bias,
-            [need[0], need[1] and weight is not None, need[2] and bias is not None])
-        return None if dx is None else dx.mul_(rstd), dw, db, None, None
+        return *_backward_from_output(ctx, dy, *ctx.saved_tensors), None, None
+
+
+class _CodedLayerNormFunction(torch.autograd.Function):
+    """:class:`_OutputLayerNormFunction` that saves a ``bits``-bit code of its output (a
+    :class:`~sketchprop.codes.SharedCode`, appended to ``made`` for the caller to file) in place of
+    the output."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, kept: Tensor | None, bits: int, group: int,
+                seed: int, made: list):
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        cols = None if kept is None else x.index_select(-1, kept)
+        payload, spec, _ = quantize(y, bits, group, seed)
+        made.append(SharedCode(payload, spec))
+        ctx.spec = spec
+        ctx.save_for_backward(payload, rstd, weight, bias, kept, cols,
+                              None if kept is None else mean)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        payload, *rest = ctx.saved_tensors
+        y = SharedCode(payload, ctx.spec).decode()
+        return *_backward_from_output(ctx, dy, y, *rest), *[None] * 6
 
 
 class OutputLayerNorm(nn.LayerNorm):
@@ -107,8 +152,40 @@ class OutputLayerNorm(nn.LayerNorm):
         kept = self._kept_columns()
         # Autocast computes a float32 LayerNorm in float32: the Function runs without it.
         with torch.autocast(x.device.type, enabled=False):
-            y = _OutputLayerNormFunction.apply(x.reshape(-1, n), weight, bias, self.eps, kept)
-        return y.view(x.shape)
+            return self._normalize(x.reshape(-1, n), weight, bias, kept, x.shape)
+
+    def _normalize(self, x2: Tensor, weight, bias, kept, shape) -> Tensor:
+        return _OutputLayerNormFunction.apply(x2, weight, bias, self.eps, kept).view(shape)
+
+
+class CodedLayerNorm(OutputLayerNorm):
+    """:class:`OutputLayerNorm` that keeps a ``bits``-bit code of its output (groups of ``group``
+    columns, stochastic rounding: :mod:`sketchprop.quantize`) in place of the output, filed under
+    the output for the next layers to share (:mod:`sketchprop.codes`). Module docstring,
+    "Coded". ``name`` (the module's qualified name) seeds the rounding's stream, with
+    ``torch.initial_seed()`` and the rank. In eval mode it is :class:`OutputLayerNorm`: exact."""
+
+    @classmethod
+    def from_layernorm(cls, norm: nn.LayerNorm, bits: int = 4, group: int = DEFAULT_GROUP,
+                       name: str = "") -> CodedLayerNorm:
+        new = super().from_layernorm(norm)
+        new.bits, new.group = check_bits(bits), check_group(group)
+        if new.bits is None:
+            raise ValueError("CodedLayerNorm needs bits (8, 4 or 2)")
+        new.seeds = SeedStream("layernorm", name)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, bits={self.bits}, group={self.group}"
+
+    def _normalize(self, x2: Tensor, weight, bias, kept, shape) -> Tensor:
+        if not self.training:
+            return super()._normalize(x2, weight, bias, kept, shape)
+        made: list = []
+        y = _CodedLayerNormFunction.apply(x2, weight, bias, self.eps, kept, self.bits, self.group,
+                                          self.seeds.next(), made).view(shape)
+        file_code(y, made[0])  # the tensor the next layers get
+        return y
 
 
 def is_layernorm(module: nn.Module) -> bool:

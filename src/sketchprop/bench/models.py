@@ -164,6 +164,7 @@ ACTIVATIONS = {
     "lnout": {"dropout": "stored", "attention": "stored", "gelu_bits": None},
     "lnstored": {"layernorm": "stored"},
     "packed": {"dropout": "packed"},
+    "lean": {"preset": "lean"},
 }
 
 

@@ -1,7 +1,8 @@
 """What one training forward saves for backward, by the autograd node that saves it.
 
 A randomly initialised roberta-base (``models.build_model``) on ``--batch x --seq`` tokens
-(the padded batch of ``models.make_batch``). For each method (``scripts/bench_model.py``'s names:
+(the padded batch of ``models.make_batch``; with ``--rows full``, every row full length). For
+each method (``scripts/bench_model.py``'s names:
 ``exact``, ``compact``, ``ours+compact``, ...) the graph of the loss is walked and every tensor a
 node keeps is listed under ``<node>.<attribute>`` (``MulBackward0._saved_other`` is a float
 dropout mask on CPU, ``NativeDropoutBackward0._saved_result1`` a byte mask, a custom Function's
@@ -20,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from .common import environment, fmt_table, parse_list, setup_device, write_outputs
-from .models import Configured, build_model, make_batch, method_list, to_device
+from .models import Configured, build_model, full_rows, make_batch, method_list, to_device
 
 
 def saved_by_node(loss: torch.Tensor, params) -> list[dict]:
@@ -78,6 +79,8 @@ def run(args) -> None:
     env = environment(dev)
     model = build_model("roberta-base", args.quick).to(dev).train()
     batch, info = make_batch("roberta-base", model, args)
+    if args.rows == "full":
+        batch, info = full_rows(model, batch)
     batch = to_device(batch, dev)
     heads = model.config.num_attention_heads
     results = {}
@@ -92,7 +95,8 @@ def run(args) -> None:
         print(f"{method['name']}: {results[method['name']]['total_bytes'] / 2**20:.1f} MiB",
               flush=True)
     payload = {"environment": env, "args": vars(args), "batch": info, "results": results}
-    stem = f"saved_tensors_{dev.type}{'_quick' if args.quick else ''}{args.tag}"
+    rows = "_full" if args.rows == "full" else ""
+    stem = f"saved_tensors_{dev.type}{rows}{'_quick' if args.quick else ''}{args.tag}"
     write_outputs(stem, payload, tables(payload), args.out_dir)
     print(tables(payload))
 

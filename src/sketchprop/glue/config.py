@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from .. import activations
 from ..allocation import ALLOCATIONS
 from ..layers import DEFAULT_MIN_ROWS
+from ..patching import PRESETS
 from ..quantize import BITS, DEFAULT_GROUP
 from ..sketches import SKETCHES
 from .paths import REPO_ROOT
@@ -70,6 +71,7 @@ DropoutMode = enum.Enum("DropoutMode", {m: m for m in activations.DROPOUT}, type
 AttentionMode = enum.Enum("AttentionMode", {m: m for m in activations.ATTENTION}, type=str)
 GeluCodeName = enum.Enum("GeluCodeName", {m: m for m in activations.GELU_CODES}, type=str)
 LayerNormMode = enum.Enum("LayerNormMode", {m: m for m in activations.LAYERNORM}, type=str)
+Preset = enum.Enum("Preset", {m: m for m in PRESETS}, type=str)
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -218,16 +220,23 @@ class ActivationsConfig:
     # output: LayerNorm's backward from its output (exact to float32 rounding). Stored here, so
     # that the runs filed before it keep their identity; the library's default set has it on.
     layernorm: LayerNormMode = LayerNormMode.stored
+    # lean (activations=lean): LayerNorm outputs and attention inputs kept once, as code_bits-bit
+    # codes (groups of method.group) that the next layers share; a label here, the parts say it.
+    preset: Preset = Preset.compact
+    code_bits: int = 4  # width of the codes the "coded" parts keep
 
     @property
     def stored(self) -> bool:
         """True when nothing is changed: the model is left unpatched."""
         return (self.dropout == DropoutMode.stored and self.attention == AttentionMode.stored
-                and self.gelu_bits is None and self.layernorm == LayerNormMode.stored)
+                and self.gelu_bits is None and self.layernorm == LayerNormMode.stored
+                and self.preset == Preset.compact)
 
     def __post_init__(self):
         _check(self.gelu_bits is None or 1 <= self.gelu_bits <= 8, "activations.gelu_bits",
                self.gelu_bits, "null or an integer in 1..8, e.g. activations.gelu_bits=2")
+        _check(self.code_bits in BITS, "activations.code_bits", self.code_bits,
+               f"one of {list(BITS)}, e.g. activations.code_bits=4")
 
 
 @dataclass

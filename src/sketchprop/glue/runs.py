@@ -154,6 +154,10 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
         compact.pop("gelu_code", None)
     if compact.get("layernorm", "stored") == "stored":  # added later: neutral when stored
         compact.pop("layernorm", None)
+    if compact.get("preset", "compact") == "compact":  # added later: neutral when compact
+        compact.pop("preset", None)
+    if "coded" not in (compact.get("layernorm"), compact.get("attention")):
+        compact.pop("code_bits", None)  # read only by the coded parts
     model = config["model"]
     model_id = {"name": model["name"]}
     if model.get("random"):

@@ -1,0 +1,76 @@
+r"""One stored code per activation (``patch_activations(model, preset="lean")``).
+
+Several backward passes may read one activation: a post-LN encoder's LayerNorm output is read by
+LayerNorm's own backward, by the next linear layers' weight gradient and, as the next block's
+input, by the attention's recompute of Q, K and V. Each used to keep its own copy: the float
+output for LayerNorm and attention, ``b``-bit codes for the linear layers. Here the part that
+makes the activation codes it once (:func:`make_code`: the stochastic ``b``-bit rounding of
+:mod:`sketchprop.quantize`, unbiased) and files the code under the tensor; the parts that read
+the same tensor later in the forward find it (:func:`code_of`) and save its payload, the same
+uint8 tensor, instead of the activation. Readers:
+
+- :class:`~sketchprop.activations.CodedLayerNorm` (``layernorm="coded"``): backward from the
+  decoded output;
+- :class:`~sketchprop.layers.RandomizedLinear` with ``bits``: where it would code its input rows
+  itself (the exact sketch, every row, the code's width and group), it saves this code instead;
+- :func:`~sketchprop.activations.recompute_attention` under ``attention="coded"``: Q, K and V made
+  again from the decoded block input.
+
+The file is a weak map: an entry goes when its tensor does, so the map never keeps an activation
+or a code alive. A code is found only by the tensor object it was made for (a view, a copy or a
+cast of it is another tensor, and codes itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .quantize import QuantSpec, dequantize, quantize
+
+__all__ = ["SharedCode", "code_of", "make_code"]
+
+_filed = WeakTensorKeyDictionary()
+
+
+@dataclass(frozen=True, eq=False)
+class SharedCode:
+    """A tensor's rows (``spec.rows x spec.cols``: every dimension but the last flattened) as
+    the packed payload of :func:`~sketchprop.quantize.quantize`."""
+
+    payload: Tensor
+    spec: QuantSpec
+
+    def fits(self, bits: int, group: int, rows: int, cols: int) -> bool:
+        """Whether the code is what a reader that codes ``rows x cols`` at ``bits`` bits in groups
+        of ``group`` would make itself."""
+        s = self.spec
+        return (s.bits, s.group, s.rows, s.cols) == (bits, group, rows, cols)
+
+    def decode(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The coded rows (``rows x cols``) in ``dtype`` (default: the coded tensor's)."""
+        spec = self.spec if dtype is None else QuantSpec(self.spec.bits, self.spec.group,
+                                                         self.spec.rows, self.spec.cols, dtype)
+        return dequantize(self.payload, spec)
+
+
+def make_code(x: Tensor, bits: int, group: int, seed: int) -> SharedCode:
+    """Code ``x`` (its rows: all dimensions but the last) at ``bits`` bits, the rounding's dither
+    keyed by ``seed``, and file the code under ``x``."""
+    with torch.no_grad():
+        payload, spec, _ = quantize(x.detach().reshape(-1, x.shape[-1]), bits, group, seed)
+    code = _filed[x] = SharedCode(payload, spec)
+    return code
+
+
+def file_code(x: Tensor, code: SharedCode) -> None:
+    """File ``code`` (made by the caller) under ``x``."""
+    _filed[x] = code
+
+
+def code_of(x: Tensor) -> SharedCode | None:
+    """The code filed under ``x`` in this forward, or None."""
+    return _filed.get(x)

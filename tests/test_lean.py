@@ -1,0 +1,278 @@
+"""The lean preset: one stored code per activation (sketchprop.codes), LayerNorm's backward from
+it, attention recomputed from it, the linear layers sharing it; patching, Hydra and identity."""
+
+import math
+
+import pytest
+import torch
+from test_patching import batch, tiny_roberta
+from torch import nn
+
+from sketchprop import patch_activations, patch_linear, unpatch_activations
+from sketchprop.activations import CodedLayerNorm, OutputLayerNorm
+from sketchprop.codes import code_of
+from sketchprop.glue.config import ConfigError, compose, validate
+from sketchprop.glue.runs import identity
+
+
+def lean_model(layers=2, exclude=None, skip_padding=True):
+    model = tiny_roberta(layers).train()
+    patch_linear(model, sketch="exact", bits=4, exclude=exclude, skip_padding=skip_padding)
+    patch_activations(model, preset="lean")
+    return model
+
+
+def full_batch(b=4, length=16):
+    out = batch(b, length)
+    out["attention_mask"] = torch.ones_like(out["attention_mask"])
+    return out
+
+
+def grads(model, inputs) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# Layer: LayerNorm's backward from a 4-bit code of its output.
+
+
+def layernorm_draws(draws: int, width=64, rows=256, group=16):
+    """``draws`` gradients of a CodedLayerNorm (independent roundings) and the exact ones."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g) * 2 + 1
+    dy = torch.randn(rows, width, generator=g)
+    norm = nn.LayerNorm(width)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 + torch.rand(width, generator=g))
+        norm.bias.copy_(torch.randn(width, generator=g))
+    xr = x.clone().requires_grad_()
+    norm(xr).backward(dy)
+    exact = (xr.grad, norm.weight.grad.clone(), norm.bias.grad.clone())
+    coded = CodedLayerNorm.from_layernorm(norm, bits=4, group=group, name="ln").train()
+    out = []
+    for _ in range(draws):
+        norm.zero_grad()
+        xr = x.clone().requires_grad_()
+        coded(xr).backward(dy)
+        out.append((xr.grad, norm.weight.grad.clone(), norm.bias.grad.clone()))
+    return exact, [torch.stack(t) for t in zip(*out, strict=True)]
+
+
+def z_scores(draws: torch.Tensor, exact: torch.Tensor, k: int = 8) -> torch.Tensor:
+    """z-scores of the mean of ``draws`` against ``exact`` along ``k`` fixed random directions: a
+    projection sums many elements, so its mean is normal (an element alone is not: one at its
+    group's end rounds up rarely, and 200 draws may never see it)."""
+    w = torch.randn(k, exact.numel(), generator=torch.Generator().manual_seed(1))
+    s = draws.reshape(draws.shape[0], -1) @ w.T
+    se = s.std(0) / math.sqrt(draws.shape[0])
+    return (s.mean(0) - w @ exact.reshape(-1)) / se
+
+
+def test_coded_layernorm_weight_gradient_is_unbiased_and_bias_gradient_exact():
+    (_, dw, db), (_, dws, dbs) = layernorm_draws(200)
+    assert torch.allclose(dbs, db.expand_as(dbs), rtol=1e-5, atol=1e-5)  # reads no code
+    assert z_scores(dws, dw).abs().max() < 4  # 8 normal z-scores: |z| > 4 has p ~ 5e-4 in all
+    assert (dws.std(0) > 0).all()  # the code is random: a saved output would give no spread
+
+
+def test_coded_layernorm_input_gradient_bias_is_below_its_noise():
+    """dX's last term is quadratic in the code: a bias of Var(e / gamma) / n of the element's
+    first term (norms module docstring), here a 64th of a 4-bit rounding's variance: below the
+    standard error of 200 draws, so the mean passes the unbiased z-test; a code read wrong (a
+    shifted grid, a lost column) would not."""
+    (dx, _, _), (dxs, _, _) = layernorm_draws(200)
+    assert z_scores(dxs, dx).abs().max() < 4
+
+
+def test_coded_layernorm_in_eval_mode_is_the_output_layernorm():
+    norm = nn.LayerNorm(32)
+    x = torch.randn(8, 32, requires_grad=True)
+    coded = CodedLayerNorm.from_layernorm(norm).eval()
+    out = OutputLayerNorm.from_layernorm(norm).eval()
+    coded(x).sum().backward()
+    a = x.grad.clone()
+    x.grad = None
+    out(x).sum().backward()
+    assert torch.equal(a, x.grad)
+    assert "bits=4, group=64" in repr(coded)
+
+
+# Sharing: one code per LayerNorm output, read by the next layers.
+
+
+def saved(t: torch.Tensor, index: int) -> torch.Tensor:
+    """Saved tensor ``index`` of the autograd Function that made ``t`` (through a view)."""
+    node = t.grad_fn
+    while type(node).__name__ == "ViewBackward0":
+        node = node.next_functions[0][0]
+    return node.saved_tensors[index]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_lean_linear_layers_save_the_layernorm_code(padded):
+    model = lean_model()
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen[name] = (code_of(args[0]), out)
+        return hook
+
+    for n, m in model.named_modules():
+        if n.endswith(("query", "key", "value", "intermediate.dense", "LayerNorm")):
+            m.register_forward_hook(keep(n))
+    loss = model(**(batch() if padded else full_batch())).loss
+    for i in range(2):
+        layer = f"roberta.encoder.layer.{i}"
+        ln_out = seen[f"{layer}.attention.output.LayerNorm"][1]
+        code, out = seen[f"{layer}.intermediate.dense"]
+        assert code is not None and code is code_of(ln_out)
+        assert saved(out, 1) is code.payload is saved(ln_out, 0)  # one tensor, saved twice
+        q, k, v = (seen[f"{layer}.attention.self.{p}"] for p in ("query", "key", "value"))
+        assert saved(q[1], 1) is saved(k[1], 1) is saved(v[1], 1) is q[0].payload
+        if i:  # layer 1's input is layer 0's output LayerNorm's
+            assert q[0] is code_of(seen[f"roberta.encoder.layer.{i - 1}.output.LayerNorm"][1])
+    loss.backward()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_shared_code_gives_the_linear_weight_gradient_of_its_decoded_rows(padded):
+    """dW of a layer reading a filed code is dY^T (decoded code), over the real rows only when
+    padding rows are skipped."""
+    model = lean_model()
+    inputs = batch() if padded else full_batch()
+    layer = model.roberta.encoder.layer[0].intermediate.dense
+    got = {}
+    # (a full backward hook would give the layer a new input tensor, which has no code filed)
+    layer.register_forward_hook(lambda m, a, o: got.update(code=code_of(a[0]), hook=o.register_hook(
+        lambda dy: got.update(dy=dy))))
+    grads_ = grads(model, inputs)
+    dy2 = got["dy"].reshape(-1, got["dy"].shape[-1])
+    x = got["code"].decode()
+    rows = inputs["attention_mask"].reshape(-1).nonzero().squeeze(1)
+    expected = dy2[rows].T @ x[rows]
+    assert torch.allclose(grads_["roberta.encoder.layer.0.intermediate.dense.weight"], expected,
+                          rtol=1e-5, atol=1e-6)
+
+
+def test_lean_saves_fewer_bytes_than_compact_and_no_float_layernorm_output():
+    from sketchprop.measure import SavedTensorMeter
+
+    def saved(preset):
+        model = tiny_roberta().train()
+        patch_linear(model, sketch="exact", bits=4, exclude=None)
+        patch_activations(model, preset=preset)
+        with SavedTensorMeter(model) as meter:
+            loss = model(**full_batch()).loss
+        loss.backward()
+        return meter.bytes
+
+    compact, lean = saved("compact"), saved("lean")
+    # compact keeps 5 float32 LayerNorm outputs (4 x 16 x 32); lean keeps their 4-bit codes
+    assert compact - lean >= 5 * 64 * 32 * 4 - 5 * 64 * 32
+
+
+def test_lean_gradient_is_close_to_exact_and_averages_towards_it():
+    """Every parameter's gradient, relative to exact: one draw is noisy, and the mean of 16 draws
+    is about four times closer (the code's noise averages out; the second-order bias is far
+    below it)."""
+    inputs = full_batch()
+    plain = tiny_roberta().train()
+    exact = grads(plain, inputs)
+    model = lean_model()
+
+    def rel(g):
+        return math.sqrt(sum(((g[n] - exact[n]) ** 2).sum() for n in exact)
+                         / sum((exact[n] ** 2).sum() for n in exact))
+
+    draws = [grads(model, inputs) for _ in range(16)]
+    mean = {n: torch.stack([d[n] for d in draws]).mean(0) for n in exact}
+    one = sum(rel(d) for d in draws) / len(draws)
+    assert rel(mean) < one / 2.5, (rel(mean), one)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_lean_under_checkpointing_runs_and_stays_close(reentrant):
+    model = lean_model()
+    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    exact = grads(tiny_roberta().train(), full_batch())
+    got = grads(model, full_batch())
+    assert got.keys() == exact.keys()
+    err = math.sqrt(sum(((got[n] - exact[n]) ** 2).sum() for n in exact)
+                    / sum((exact[n] ** 2).sum() for n in exact))
+    assert err < 0.5
+
+
+# Patching.
+
+
+def test_lean_patches_and_unpatches_to_the_same_model():
+    model = tiny_roberta().train()
+    plain = tiny_roberta().train()
+    keys = model.state_dict().keys()
+    names = patch_activations(model, preset="lean")
+    assert all(isinstance(model.get_submodule(n), CodedLayerNorm) for n in names
+               if n.endswith("LayerNorm"))
+    assert model.state_dict().keys() == keys
+    model(**batch()).loss.backward()
+    unpatch_activations(model)
+    assert all(type(m) is nn.LayerNorm for n, m in model.named_modules() if n.endswith("LayerNorm"))
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch()).logits, plain(**batch()).logits)
+    from sketchprop.activations import attention
+
+    assert not attention._inputs()
+
+
+def test_explicit_parts_override_the_preset_and_bad_values_change_nothing():
+    model = tiny_roberta().train()
+    names = patch_activations(model, preset="lean", layernorm="output")
+    assert not any(isinstance(m, CodedLayerNorm) for m in model.modules())
+    assert any(isinstance(model.get_submodule(n), OutputLayerNorm) for n in names)
+    model = tiny_roberta()
+    for kwargs, match in (({"preset": "leaner"}, "unknown preset 'leaner'"),
+                          ({"preset": "lean", "code_bits": 3}, "bits must be one of"),
+                          ({"layernorm": "code"}, "unknown layernorm")):
+        with pytest.raises(ValueError, match=match):
+            patch_activations(model, **kwargs)
+        assert all(type(m) is nn.LayerNorm for n, m in model.named_modules()
+                   if n.endswith("LayerNorm"))
+
+
+def test_lean_model_pickles_and_trains_after_loading(tmp_path):
+    model = lean_model()
+    model(**batch()).loss.backward()
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert torch.isfinite(grads(loaded, batch())["roberta.embeddings.LayerNorm.weight"]).all()
+
+
+# Hydra and identity.
+
+
+def test_hydra_lean_composes_and_carries_its_preset_in_the_identity():
+    conf = validate(compose(["activations=lean", "method=exact", "method.bits=4"]))
+    a = conf.activations
+    assert (a.preset.value, a.layernorm.value, a.attention.value, a.code_bits) == (
+        "lean", "coded", "coded", 4)
+    assert not a.stored
+    from omegaconf import OmegaConf
+
+    cfg = compose(["activations=lean", "method=exact", "method.bits=4"])
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    ident = identity(config, {"source": "tsv", "sha256": "x"})
+    assert ident["activations"]["preset"] == "lean" and ident["activations"]["code_bits"] == 4
+    cfg = compose(["activations=compact", "method=exact", "method.bits=4"])
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    ident = identity(config, {"source": "tsv", "sha256": "x"})
+    assert "preset" not in ident["activations"] and "code_bits" not in ident["activations"]
+
+
+@pytest.mark.parametrize("override, key", [("activations.code_bits=3", "activations.code_bits"),
+                                           ("activations.preset=leaner", "preset")])
+def test_hydra_bad_lean_values_name_the_key(override, key):
+    with pytest.raises((ConfigError, Exception), match=key):
+        validate(compose(["activations=lean", override]))
