@@ -104,13 +104,16 @@ def run(args) -> None:
 def tables(payload: dict) -> str:
     """One markdown table per method."""
     a = payload["args"]
+    exact = payload["results"].get("exact", {}).get("total_bytes")
     parts = []
     for name, r in payload["results"].items():
         att = r["attention_sized"]
         rows = [[n, d, c, f"{b / 2**20:.2f}"] for n, d, c, b in r["groups"]]
+        share = f" ({r['total_bytes'] / exact:.4f}x exact)" if exact else ""
         parts.append(fmt_table(
             ["saved by", "dtype", "storages", "MiB"], rows,
-            title=f"{name}: {r['total_bytes'] / 2**20:.1f} MiB saved at {a['batch']}x{a['seq']}; "
+            title=f"{name}: {r['total_bytes'] / 2**20:.1f} MiB saved{share} at "
+                  f"{a['batch']}x{a['seq']}{' (every row full length)' * (a.get('rows') == 'full')}; "
                   f"tensors of the attention probabilities' size (B x H x L x L): {att['count']} "
                   f"({att['bytes'] / 2**20:.1f} MiB)"))
     return "\n\n".join(parts)
