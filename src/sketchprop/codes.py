@@ -16,13 +16,18 @@ uint8 tensor, instead of the activation. Readers:
 - :func:`~sketchprop.activations.recompute_attention` under ``attention="coded"``: Q, K and V made
   again from the decoded block input.
 
-The file is a weak map: an entry goes when its tensor does, so the map never keeps an activation
-or a code alive. A code is found only by the tensor object it was made for (a view, a copy or a
-cast of it is another tensor, and codes itself).
+The file is a weak map, both ways: an entry goes when its tensor does, and it holds its payload by
+a weak reference, so the map keeps neither alive (the parts that save the payload do; where a
+saved-tensor hook takes it, as activation checkpointing's first pass does, it goes at once and
+the readers code the tensor themselves). A code is found only by the tensor object it was made
+for (a view, a copy or a cast of it is another tensor, and codes itself), and only while that
+tensor is unchanged: an in-place change (``ReLU(inplace=True)`` after a LayerNorm) bumps its
+version, and the code no longer stands for it.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,18 +64,27 @@ class SharedCode:
 
 def make_code(x: Tensor, bits: int, group: int, seed: int) -> SharedCode:
     """Code ``x`` (its rows: all dimensions but the last) at ``bits`` bits, the rounding's dither
-    keyed by ``seed``, and file the code under ``x``."""
+    keyed by ``seed``, and file the code under ``x``; the caller keeps the code alive."""
     with torch.no_grad():
         payload, spec, _ = quantize(x.detach().reshape(-1, x.shape[-1]), bits, group, seed)
-    code = _filed[x] = SharedCode(payload, spec)
+    code = SharedCode(payload, spec)
+    file_code(x, code)
     return code
 
 
 def file_code(x: Tensor, code: SharedCode) -> None:
-    """File ``code`` (made by the caller) under ``x``."""
-    _filed[x] = code
+    """File ``code`` (made by the caller, who keeps it alive) under ``x`` as it is now."""
+    _filed[x] = (x._version, weakref.ref(code.payload), code.spec)
 
 
 def code_of(x: Tensor) -> SharedCode | None:
-    """The code filed under ``x`` in this forward, or None."""
-    return _filed.get(x)
+    """The code filed under ``x``, while its payload is alive and ``x`` unchanged since; else
+    None."""
+    entry = _filed.get(x)
+    if entry is None:
+        return None
+    version, ref, spec = entry
+    payload = ref()
+    if payload is None or version != x._version:
+        return None
+    return SharedCode(payload, spec)

@@ -377,16 +377,16 @@ class _Sketched:
             # b-bit rows: the rounding variances feed the variance estimates, when any reads them.
             want_qvar = self.tracker is not None or (allocated and not sketch.exact)
             # A code of x filed by the part that made x (the lean preset): saved, not made again,
-            # where it is what this layer would make (sketchprop.codes).
-            # It covers every row: with padding rows skipped, backward keeps the real ones.
-            filed = None if (self.bits is None or not sketch.exact or want_qvar) else code_of(x)
+            # where it is what this layer would make (sketchprop.codes). It covers every row:
+            # with padding rows skipped, backward keeps the real ones.
+            filed = None if (self.bits is None or not sketch.exact) else code_of(x)
             if filed is not None and not filed.fits(self.bits, self.group,
                                                     x.numel() // self.in_features, self.in_features):
                 filed = None
             if hit is not None:
                 sx, seed, plan, owner, qvar = hit
                 self._join(owner)
-            elif filed is not None:
+            elif filed is not None and not want_qvar:  # the variances want a code of its own
                 sx = filed.payload
                 if shared:
                     self.context.store(key, x, sx, seed, plan, self, qvar)

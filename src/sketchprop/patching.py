@@ -404,9 +404,9 @@ def patch_activations(
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
-    code_bits, code_group = check_bits(code_bits), check_group(code_group)
-    if code_bits is None:
-        raise ValueError(f"code_bits must be one of {list(BITS)}, got None")
+    if isinstance(code_bits, bool) or code_bits not in BITS:
+        raise ValueError(f"code_bits must be one of {list(BITS)}, got {code_bits!r}")
+    code_group = check_group(code_group)
     options = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
                "gelu_code": gelu_code, "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm,
                "lm_loss": lm_loss}

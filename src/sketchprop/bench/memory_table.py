@@ -30,7 +30,9 @@ attention recomputed in backward, 2-bit GELU codes, LayerNorm from its output), 
 and ``ckpt+ours+compact`` (the same on ours, and on checkpointing + ours); ``int8``, ``int4``,
 ``int2`` (the exact sketch on every linear layer but the head, its stored rows ``X`` kept as
 ``b``-bit codes with bfloat16 group ends, as ``method=exact method.bits=b``), ``int<b>+compact``
-and ``int<b>+ckpt`` (the same with compact activations, and with checkpointing); ``lora``,
+and ``int<b>+ckpt`` (the same with compact activations, and with checkpointing), ``int4+lean``
+(``int4`` with ``patch_activations(preset="lean")``: LayerNorm outputs and attention inputs kept
+once, as the linear layers' 4-bit codes); ``lora``,
 ``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
 pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
 the adapters' ``lora_A`` inputs), whose peak holds gradients and AdamW state only for the adapters
@@ -88,7 +90,8 @@ MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest
 # b-bit stored rows alone (``int<b>``: the exact sketch on every linear layer but the head, its rows
 # kept as b-bit codes, as the pipeline's ``method=exact method.bits=<b>``), with compact
 # activations and with checkpointing.
-BITS_KINDS = tuple(f"int{b}{extra}" for extra in ("", "+compact", "+ckpt") for b in (8, 4, 2))
+BITS_KINDS = (*(f"int{b}{extra}" for extra in ("", "+compact", "+ckpt") for b in (8, 4, 2)),
+              "int4+lean")
 METHOD_KINDS = ("exact", "exact-skip", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+compact",
                 "ckpt+ours+compact", "lora", "lora+ckpt", "lora+ours", "lora+ours+compact",
                 *BITS_KINDS)
@@ -101,6 +104,8 @@ PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  #
 # under an older default is found stale.
 COMPACT = {k: v for k, v in activation_defaults().items()
            if k in ("dropout", "attention", "gelu_bits", "gelu_code", "layernorm")}
+# The lean preset's settings, written into each record as COMPACT's are.
+LEAN = {"preset": "lean"}
 # Record key of each part in a method's record.
 PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}
 # HF checkpointing as the memory table runs it (see the module docstring).
@@ -132,6 +137,8 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
     for name, method in out.items():
         if "compact" in name.partition("@")[0].split("+"):
             method["activations"] = dict(COMPACT)
+        if "lean" in name.partition("@")[0].split("+"):
+            method["activations"] = dict(LEAN)
         if name.startswith("lora"):
             method["lora"] = dict(lora)
     return out

@@ -97,8 +97,8 @@ def reference_lengths(lengths: list[int], batch: int, seed: int = 0) -> list[int
 
 
 # b-bit stored rows (the exact sketch, bits=b on every linear layer but the head): alone, and 4-bit
-# with compact activations. Their memory_table and bench_model names are the same.
-BITS = ("int8", "int4", "int2", "int4+compact")
+# with compact activations and with lean. Their memory_table and bench_model names are the same.
+BITS = ("int8", "int4", "int2", "int4+compact", "int4+lean")
 
 
 def configurations(sketch: str) -> dict[str, dict]:
@@ -185,7 +185,8 @@ LABELS = {"exact": "exact", EXACT_SKIP: "exact, padding skipped",
           "ckpt+ours": "checkpointing + ours", "ours+compact": "ours + compact activations",
           "ckpt+ours+compact": "checkpointing + ours + compact activations",
           "int8": "exact, 8-bit rows", "int4": "exact, 4-bit rows", "int2": "exact, 2-bit rows",
-          "int4+compact": "exact, 4-bit rows + compact activations"}
+          "int4+compact": "exact, 4-bit rows + compact activations",
+          "int4+lean": "exact, 4-bit rows + lean"}
 
 
 def render(rows: list[dict], meta: dict) -> str:

@@ -53,16 +53,16 @@ def key_of(sketch: str, layout: str = "-", rho: float = 1.0) -> tuple:
     return (SKETCH_ORDER.index(sketch), sketch, layout, -float(rho))
 
 
-def _compact_set() -> dict:
-    """The settings ``activations=compact`` gives (configs/activations/compact.yaml, read as the
-    pipeline composes it); a run with other compact settings is labelled with the ones that
-    differ."""
-    conf = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "activations" / "compact.yaml"))
+def _activations_set(name: str) -> dict:
+    """The settings ``activations=<name>`` gives (configs/activations/<name>.yaml, read as the
+    pipeline composes it); a run with other settings is labelled with the ones that differ."""
+    conf = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "activations" / f"{name}.yaml"))
     conf.pop("defaults", None)
     return conf
 
 
-COMPACT = _compact_set()
+COMPACT = _activations_set("compact")
+LEAN = _activations_set("lean")
 
 EXACT = key_of("exact")
 
@@ -132,7 +132,8 @@ def scheme(run: dict) -> str:
     ``+alloc`` when rows were allocated by variance, ``+ckpt`` when the run used activation
     checkpointing, ``+compact`` with compact activations (``activations=compact``; other
     settings than :data:`COMPACT` are named: ``+compact(gelu_bits=3,gelu_code=optimal)``),
-    ``+int4`` for rows stored as 4-bit codes (``method.bits=4``), and ``lora+`` in front for a
+    ``+lean`` with the lean preset (``activations=lean``, named the same way), ``+int4`` for rows
+    stored as 4-bit codes (``method.bits=4``), and ``lora+`` in front for a
     LoRA adapter. The exact model's layout is ``-`` alone, else these
     parts joined: ``lora+ckpt``."""
     ident = run.get("identity", {})
@@ -150,8 +151,10 @@ def scheme(run: dict) -> str:
         parts.append("ckpt")
     # runs.identity leaves the activations out at their neutral (stored) value.
     if "activations" in ident:
-        other = [f"{k}={v}" for k, v in ident["activations"].items() if COMPACT.get(k) != v]
-        parts.append(f"compact({','.join(other)})" if other else "compact")
+        acts = ident["activations"]
+        name, base = ("lean", LEAN) if acts.get("preset") == "lean" else ("compact", COMPACT)
+        other = [f"{k}={v}" for k, v in acts.items() if base.get(k) != v]
+        parts.append(f"{name}({','.join(other)})" if other else name)
     return "+".join(parts) or "-"
 
 

@@ -63,6 +63,10 @@ COMPARISONS = [
       for layout in ("int4+compact",)],
     ("cola", key_of("exact", "int4+compact"), key_of("exact", "compact")),
     *[(task, key_of("exact", "int4"), EXACT) for task in ("sst2", "stsb")],
+    # The lean preset on 4-bit rows (activations=lean method.bits=4): against exact and against
+    # 4 bits + compact, whose float LayerNorm outputs it keeps as the linear layers' codes.
+    *[(task, key_of("exact", "int4+lean"), EXACT) for task in ("cola", "sst2", "stsb")],
+    ("cola", key_of("exact", "int4+lean"), key_of("exact", "int4+compact")),
 ]
 
 

@@ -80,6 +80,9 @@ def _families(p: dict) -> list[tuple[str, str, dict, dict[str, dict], str | None
             if p.get(key):
                 fams.append((f"{before}exact, {b}-bit rows{after}", key, p[key], {},
                              None if extra == "+ckpt" else key, None))
+    if p.get("int4+lean"):  # the lean preset on 4-bit rows
+        fams.append(("exact, 4-bit rows + lean", "int4+lean", p["int4+lean"], {}, "int4+lean",
+                     None))
     return fams
 
 
