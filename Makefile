@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-lib lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lora-cpu memory tables budget architectures equal-bytes decoder-finetune bench-speed
+.PHONY: help install test test-lib lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lean-cpu lora-cpu memory tables budget architectures equal-bytes decoder-finetune bench-speed
 
 help:  ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2; next} \
@@ -166,7 +166,7 @@ memory: install  ## Table 3, Figure 3 on this CPU: roberta-base saved bytes (exa
 bench: install  ## the CPU benchmark suite that fills results/bench/ (a few hours): make bench [ARGS="layer variance"] for some
 	PYTHON=$(PY) scripts/bench_all_cpu.sh $(ARGS)
 
-bench-speed: install  ## step time against exact and exact-skip (int4, compact, both, ckpt, ours): roberta-base 8x128 and 16x128, full and real rows, 1 thread and all, eager and under torch.compile; each codec fused and eager beside a copy of its bytes (about 2.5 h on 2 cores): results/bench/speed_cpu.md
+bench-speed: install  ## step time against exact and exact-skip (int4, compact, both, int4 + lean, ckpt, ours): roberta-base 8x128 and 16x128, full and real rows, 1 thread and all, eager and under torch.compile; each codec fused and eager beside a copy of its bytes (about 2.5 h on 2 cores): results/bench/speed_cpu.md
 	$(PY) scripts/bench_speed.py --eager-codecs --compile-model $(ARGS)
 
 architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md

@@ -20,7 +20,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", default="roberta-base", choices=["roberta-base", "minilm"])
-    p.add_argument("--methods", default="exact,exact-skip,ckpt,int4,compact,int4+compact,ours+compact",
+    p.add_argument("--methods",
+                   default="exact,exact-skip,ckpt,int4,compact,int4+compact,int4+lean,ours+compact",
                    help="as scripts/bench_model.py names them; must include exact and exact-skip")
     p.add_argument("--sketch", default="blocksrht", help="ours' sketch (default: the recommended)")
     p.add_argument("--rhos", default="0.1")

@@ -100,6 +100,8 @@ TARGETS = {
     ("full", "int4+compact"): ("exact", 1.04),
     ("real", "int4"): ("exact-skip", 1.02),
     ("real", "int4+compact"): ("exact-skip", 1.06),
+    ("full", "int4+lean"): ("exact", 1.05),
+    ("real", "int4+lean"): ("exact-skip", 1.05),
 }
 # quantize + dequantize of 4-bit rows against the weight-gradient product, on one thread.
 CODEC_TARGET = ("quantize+dequantize", "dW product", 0.20)
