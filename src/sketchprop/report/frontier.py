@@ -91,6 +91,8 @@ def configs() -> list[Config]:
                           (f"int{bits}", None), f"int{bits}"))
     out.append(Config("int4 + compact activations", "minilm_cpu",
                       key_of("exact", "int4+compact"), ("int4+compact", None), "int4+compact"))
+    out.append(Config("int4 + lean", "minilm_cpu", key_of("exact", "int4+lean"),
+                      ("int4+lean", None), "int4+lean"))
     for rho in ("0.5", "0.2", "0.1"):
         r = float(rho)
         out.append(Config(f"blocksrht (ours) {rho}", "minilm_cpu", key_of("blocksrht", "ours", r),
