@@ -214,7 +214,7 @@ def test_gpu_check_on_cpu(tmp_path):
     assert out.rstrip().splitlines()[-1].startswith("|")
 
 
-SPEED_METHODS = {"exact", "exact-skip", "ckpt", "int4", "compact", "int4+compact",
+SPEED_METHODS = {"exact", "exact-skip", "ckpt", "int4", "compact", "int4+compact", "int4+lean",
                  "ours-blocksrht+compact@0.1"}
 
 
