@@ -220,9 +220,7 @@ class CodeAttentionInput:
         x, code = _own_input(args, kwargs), None
         if x is not None and module.training and torch.is_grad_enabled() \
                 and x.dtype in (torch.float32, torch.float64):
-            code = code_of(x)
-            if code is None or code.spec.rows * code.spec.cols != x.numel():
-                code = make_code(x, self.bits, self.group, self.seeds.next())
+            code = code_of(x) or make_code(x, self.bits, self.group, self.seeds.next())
         _inputs().setdefault(id(module), []).append((x, code))
 
 
