@@ -294,13 +294,14 @@ class _Default:
 
 
 #: ``mlp=``, ``rmsnorm=`` and ``lm_loss=`` values (:mod:`sketchprop.activations.mlp`, ``.norms``, ``.loss``).
-MLP = ("stored", "recompute", "input", "auto")
-RMSNORM = ("stored", "compact")
+MLP = ("stored", "recompute", "input", "auto", "coded")
+RMSNORM = ("stored", "compact", "coded")
 LM_LOSS = ("stored", "chunked")
 #: ``preset=`` values: the parts' values a preset gives where its call does not (``"compact"``:
 #: the signature's defaults; ``"lean"``: LayerNorm outputs and attention block inputs kept once, as
 #: the codes the next layers share).
-PRESETS = {"compact": {}, "lean": {"layernorm": "coded", "attention": "coded"}}
+PRESETS = {"compact": {}, "lean": {"layernorm": "coded", "attention": "coded", "rmsnorm": "coded",
+                                   "mlp": "coded"}}
 #: The value that turns each part of :func:`patch_activations` off.
 PARTS_OFF = {"dropout": "stored", "attention": "stored", "gelu_bits": None, "layernorm": "stored",
              "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored"}
@@ -480,13 +481,17 @@ def patch_activations(
             ("mlp", mlp != "stored", act.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
              "up_proj, down_proj)",
              {"input": act.gated_mlp_input_forward, "recompute": act.gated_mlp_forward,
-              "auto": act.gated_mlp_auto_forward}.get(mlp)),
+              "auto": act.gated_mlp_auto_forward}.get(mlp, act.CodedGatedMLP)),
             ("rmsnorm", rmsnorm != "stored", act.is_rms_norm, "Llama-form RMSNorm",
-             act.rms_norm_forward)):
+             act.rms_norm_forward if rmsnorm == "compact" else act.CodedRMSNorm)):
         if on:
             names = select(part, kind, what)
-            forwards.update({n: (model.get_submodule(n), bound(forward, model.get_submodule(n)))
-                             for n in names})
+            # A coded part's forward is an object with its own seed stream; the others are the
+            # functions bound to their module.
+            forwards.update({n: (model.get_submodule(n),
+                                 forward(model.get_submodule(n), code_bits, code_group, name=n)
+                                 if isinstance(forward, type) else
+                                 bound(forward, model.get_submodule(n))) for n in names})
             applied[part], selected = len(names), selected + len(names)
             if part == "mlp" and mlp == "auto" and names:
                 frozen = sum(act.keeps_input(model.get_submodule(n)) for n in names)
@@ -510,7 +515,9 @@ def patch_activations(
         try:
             attention_owner = _attention_owner(model)
             reason = _attention_refusal(attention_owner)
-            if reason is None and not given["attention"]:
+            # Coded, a Llama-style attention keeps the code of its input in place of Q, K, V.
+            if reason is None and not given["attention"] and not (
+                    attention == "coded" and any(map(act.has_rope_projections, model.modules()))):
                 reason = _attention_keeps_no_probabilities(model, attention_owner)
         except ValueError as err:
             if given["attention"]:
@@ -537,6 +544,7 @@ def patch_activations(
         # place of Q, K and V where it can make them again (sketchprop.activations.attention).
         state["hooks"] = [
             hook for n, m in owner.named_modules() if act.has_projections(m)
+            or (attention == "coded" and act.has_rope_projections(m))
             for hook in (m.register_forward_pre_hook(
                 act.keep_attention_input if attention == "recompute" else
                 act.CodeAttentionInput(code_bits, code_group, name=n), with_kwargs=True),

@@ -17,8 +17,9 @@ part the model has); each module's docstring says what its part keeps and why:
   codes, :class:`GeluCode` (``gelu_bits=``, ``gelu_code=``).
 - :mod:`~sketchprop.activations.norms`: :class:`OutputLayerNorm`, :class:`CodedLayerNorm`
   (``layernorm=``),
-  :class:`RMSNormFunction` (``rmsnorm=``).
-- :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards (``mlp=``).
+  :class:`RMSNormFunction`, :class:`CodedRMSNorm` (``rmsnorm=``).
+- :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards, :class:`CodedGatedMLP`
+  (``mlp=``).
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
 - shared by several parts: :mod:`~sketchprop.activations.seeds` (seeds and dropout masks),
   :mod:`~sketchprop.activations.projections` (projections made again in backward), and, with
@@ -36,6 +37,7 @@ from .attention import (
     drop_attention_input,
     forget_attention_check,
     has_projections,
+    has_rope_projections,
     keep_attention_input,
     recompute_attention,
     register_attention,
@@ -56,6 +58,7 @@ from .gelu import (
 )
 from .loss import LMLossForward, chunked_lm_loss, lm_loss_refusal
 from .mlp import (
+    CodedGatedMLP,
     GatedDown,
     GatedFromInput,
     SiluProduct,
@@ -69,6 +72,7 @@ from .mlp import (
 from .norms import (
     LAYERNORM,
     CodedLayerNorm,
+    CodedRMSNorm,
     OutputLayerNorm,
     RMSNormFunction,
     is_layernorm,
@@ -81,7 +85,9 @@ __all__ = [
     "ATTENTION",
     "ATTENTION_NAME",
     "CodeAttentionInput",
+    "CodedGatedMLP",
     "CodedLayerNorm",
+    "CodedRMSNorm",
     "DEFAULT_GELU_BITS",
     "DEFAULT_GELU_CODE",
     "DROPOUT",
@@ -108,6 +114,7 @@ __all__ = [
     "gelu_derivative",
     "gelu_tanh_derivative",
     "has_projections",
+    "has_rope_projections",
     "is_exact_gelu",
     "is_gated_mlp",
     "is_layernorm",

@@ -25,6 +25,7 @@ unrepeated K/V heads (``num_key_value_heads`` of them) and recomputes the probab
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 
@@ -123,11 +124,17 @@ class _RecomputedAttention(torch.autograd.Function):
 
 
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
-             head_dim: int) -> Tensor:
+             head_dim: int, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` in ``dtype`` (autocast's casts, done by hand) as heads:
-    ``(B, L, H * D) -> (B, H, L, D)``, what BERT's self-attention gives the attention function."""
+    ``(B, L, H * D) -> (B, H, L, D)``, what BERT's self-attention gives the attention function;
+    with ``rope = (cos, sin)`` (``B, L, D``), rotated as Llama's ``apply_rotary_pos_emb`` does."""
     y = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    return y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+    y = y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+    if rope is None:
+        return y
+    cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+    half = y.shape[-1] // 2
+    return (y * cos) + (torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin)
 
 
 class _ProjectedAttention(torch.autograd.Function):
@@ -138,41 +145,64 @@ class _ProjectedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
-                pairs: tuple, code: SharedCode | None = None):
+                pairs: tuple, code: SharedCode | None = None,
+                rope: tuple[Tensor, Tensor] | None = None):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
+        ctx.rope = rope is not None
         # Detached views share storage and version counter: an in-place change to x or a weight
         # before backward still raises, and the meter counts x once with the linears' own copy.
         # With a code of x (attention="coded"), its payload in x's place.
         ctx.save_for_backward(mask, seed, x.detach() if code is None else code.payload,
+                              *(rope or (None, None)),
                               *(None if t is None else t.detach() for pair in pairs for t in pair))
         return _attend(q, k, v, mask, scaling, p, int(seed))
 
     @staticmethod
     def backward(ctx, dout):
-        mask, seed, x, *weights = ctx.saved_tensors
+        mask, seed, x, cos, sin, *weights = ctx.saved_tensors
         if ctx.code is not None:
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
+        rope = (cos, sin) if ctx.rope else None
         with torch.autocast(x.device.type, enabled=False):
-            qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim)
-                   for w, b in zip(weights[0::2], weights[1::2], strict=True)]
+            qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None)
+                   for i, (w, b) in enumerate(zip(weights[0::2], weights[1::2], strict=True))]
         grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
-        return *grads, *[None] * 7
+        return *grads, *[None] * 8
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
 #: input, which changes with every call, travels per call and per thread: :data:`_calls`.)
 _CHECKED = "_sketchprop_qkv_checked"
 _PROJECTIONS = ("query", "key", "value")
+_ROPE_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 # A call with any of these set projects something else than its own input (a cache, an encoder).
 _OTHER_SOURCES = ("cache", "past_key_values", "past_key_value", "encoder_hidden_states")
+_CACHES = ("cache", "past_key_values", "past_key_value")
 
 
 def has_projections(module: nn.Module) -> bool:
     """Whether ``module`` is a BERT-style self-attention: ``query``, ``key`` and ``value``
     submodules applied to its first argument."""
     return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
+
+
+def has_rope_projections(module: nn.Module) -> bool:
+    """Whether ``module`` is a Llama-style self-attention: ``q_proj``, ``k_proj`` and ``v_proj``
+    submodules and a forward that takes ``position_embeddings`` (the rotary ``cos, sin``).
+    Whether its Q, K, V are those projections of its input, rotated, is checked on its first
+    call (:func:`_projection_weights`)."""
+    if not all(isinstance(getattr(module, n, None), nn.Module) for n in _ROPE_PROJECTIONS):
+        return False
+    try:
+        return "position_embeddings" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _names(module: nn.Module) -> tuple[str, str, str]:
+    return _PROJECTIONS if has_projections(module) else _ROPE_PROJECTIONS
 
 
 # Per thread: {id(module): [(input, its code or None) of each self-attention call in progress,
@@ -194,7 +224,7 @@ def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
     copy), for this call and thread only, for :func:`recompute_attention` to save in place of
     Q, K and V."""
-    _inputs().setdefault(id(module), []).append((_own_input(args, kwargs), None))
+    _inputs().setdefault(id(module), []).append((_own_input(args, kwargs), None, None))
 
 
 def _own_input(args: tuple, kwargs: dict) -> Tensor | None:
@@ -202,6 +232,26 @@ def _own_input(args: tuple, kwargs: dict) -> Tensor | None:
     x = args[0] if args else kwargs.get("hidden_states")
     own = isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES)
     return x if own else None
+
+
+def _own_rope_input(module: nn.Module, args: tuple,
+                    kwargs: dict) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+    """A Llama-style self-attention call's input and rotary ``(cos, sin)``, where it projects its
+    own input: no encoder, and a cache (a training forward with ``use_cache`` on has one) that
+    held nothing for this layer before the call, so that K and V are this call's own."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+    if not (isinstance(x, Tensor) and isinstance(rope, tuple) and len(rope) == 2
+            and all(isinstance(t, Tensor) for t in rope)) \
+            or kwargs.get("encoder_hidden_states") is not None:
+        return None, None
+    for name in _CACHES:
+        cache = kwargs.get(name)
+        if cache is not None and not (callable(getattr(cache, "get_seq_length", None))
+                                      and cache.get_seq_length(getattr(module, "layer_idx", 0))
+                                      == 0):
+            return None, None
+    return x, rope
 
 
 class CodeAttentionInput:
@@ -217,11 +267,15 @@ class CodeAttentionInput:
 
     @eager_island
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x, code = _own_input(args, kwargs), None
+        if has_projections(module):
+            x, rope = _own_input(args, kwargs), None
+        else:
+            x, rope = _own_rope_input(module, args, kwargs)
+        code = None
         if x is not None and module.training and torch.is_grad_enabled() \
                 and x.dtype in (torch.float32, torch.float64):
             code = code_of(x) or make_code(x, self.bits, self.group, self.seeds.next())
-        _inputs().setdefault(id(module), []).append((x, code))
+        _inputs().setdefault(id(module), []).append((x, code, rope))
 
 
 @eager_island
@@ -235,9 +289,9 @@ def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -
             del inputs[id(module)]
 
 
-def _attention_input(module: nn.Module) -> tuple[Tensor | None, SharedCode | None]:
+def _attention_input(module: nn.Module) -> tuple[Tensor | None, SharedCode | None, tuple | None]:
     stack = _inputs().get(id(module))
-    return stack[-1] if stack else (None, None)
+    return stack[-1] if stack else (None, None, None)
 
 
 def forget_attention_check(module: nn.Module) -> None:
@@ -251,33 +305,36 @@ def _hooked(module: nn.Module) -> bool:
     :func:`keep_attention_input` (one added after it sees, and may change, the input after it
     was kept)."""
     return len(module._forward_pre_hooks) > 1 or forward_hooks_on(
-        getattr(module, n) for n in _PROJECTIONS)
+        getattr(module, n) for n in _names(module))
 
 
 def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
-                        value: Tensor) -> tuple[Tensor, tuple, SharedCode | None] | None:
-    """The attention block's input, its Q, K, V projections' ``(weight, bias)`` pairs and the
-    input's code under ``attention="coded"`` (else None) when Q, K and V can be made again from
-    them, else None. The first call on a module checks that they
-    give the very Q, K, V the model passed (one extra projection, once), and so does every call
-    while hooks may change them (:func:`_hooked`); a module that fails the check keeps Q, K and V
-    from then on, with a warning."""
-    x, code = _attention_input(module)
-    pairs = [_linear_weights(getattr(module, n, None)) for n in _PROJECTIONS]
+                        value: Tensor) -> tuple | None:
+    """``(x, pairs, code, rope)``: the attention block's input, its Q, K, V projections'
+    ``(weight, bias)`` pairs, the input's code under ``attention="coded"`` (else None) and, for a
+    Llama-style block, the rotary ``(cos, sin)`` (else None), when Q, K and V can be made again
+    from them; else None. The first call on a module checks that they give the very Q, K, V the
+    model passed (one extra projection, once), and so does every call while hooks may change them
+    (:func:`_hooked`); a module that fails the check keeps Q, K and V from then on, with a
+    warning."""
+    x, code, rope = _attention_input(module)
+    pairs = [_linear_weights(getattr(module, n, None)) for n in _names(module)]
     if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
             or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
         return None
     if _CHECKED not in module.__dict__ or _hooked(module):
         with torch.no_grad():
-            same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1]), t)
-                       for (w, b), t in zip(pairs, (query, key, value), strict=True))
+            same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1], rope if i < 2 else None),
+                                   t)
+                       for i, ((w, b), t) in enumerate(zip(pairs, (query, key, value),
+                                                           strict=True)))
         module.__dict__[_CHECKED] = same
         if not same:
             warnings.warn(f"{type(module).__name__}'s Q, K, V are not its projections of its "
                           "input; recompute_attention keeps Q, K and V for this module",
                           stacklevel=3)
             return None
-    return x, tuple(pairs), code
+    return x, tuple(pairs), code, rope
 
 
 @eager_island

@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
+from ..rng import SeedStream
 from .projections import _autocast_dtype, _linear_weights, forward_hooks_on
 
 
@@ -176,20 +178,26 @@ class GatedFromInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor, x: Tensor, plans: tuple,
-                autocast: torch.dtype | None) -> Tensor:
+                autocast: torch.dtype | None, code: SharedCode | None = None) -> Tensor:
         ctx.plans, ctx.autocast = plans, autocast
-        ctx.save_for_backward(x.detach(), *(t for plan in plans for t in _plan_tensors(plan)))
+        ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
+        # With a code of x (mlp="coded"), its payload in x's place.
+        ctx.save_for_backward(x.detach() if code is None else code.payload,
+                              *(t for plan in plans for t in _plan_tensors(plan)))
         return F.silu(g) * u
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x = ctx.saved_tensors[0]  # unpacking checks that no saved weight changed in place
+        if ctx.code is not None:
+            spec, shape, dtype = ctx.code
+            x = SharedCode(x, spec).decode(dtype).view(shape)
         with torch.no_grad(), torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
                                              enabled=ctx.autocast is not None):
             g, u = (_plan_value(plan, x) for plan in ctx.plans)
         dg = torch.ops.aten.silu_backward(dy * u, g) if ctx.needs_input_grad[0] else None
         du = dy * F.silu(g) if ctx.needs_input_grad[1] else None
-        return dg, du, None, None, None
+        return dg, du, None, None, None, None
 
 
 def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor, plans: tuple) -> bool:
@@ -222,17 +230,41 @@ def forget_mlp_check(module: nn.Module) -> None:
 
 
 @eager_island
-def gated_mlp_input_forward(self: nn.Module, x: Tensor) -> Tensor:
+def gated_mlp_input_forward(self: nn.Module, x: Tensor, code: SharedCode | None = None) -> Tensor:
     """The forward of ``mlp="input"``: the gated MLP keeps its input only, and backward computes
     the gate and up projections again (two more matmuls of the MLP's width per token); where they
-    cannot be made again bit for bit, :func:`gated_mlp_forward`'s."""
+    cannot be made again bit for bit, :func:`gated_mlp_forward`'s. With ``code`` (a code of ``x``:
+    :class:`CodedGatedMLP`), it keeps the code and backward computes them from the decoded input."""
     g, u = self.gate_proj(x), self.up_proj(x)
     if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
         return _gated_rest(self, g, u)
     plans = (_projection_plan(self.gate_proj), _projection_plan(self.up_proj))
     if None in plans or not _recomputable(self, x, g, u, plans):
         return _gated_rest(self, g, u)
-    return self.down_proj(GatedFromInput.apply(g, u, x, plans, _autocast_dtype(x)))
+    return self.down_proj(GatedFromInput.apply(g, u, x, plans, _autocast_dtype(x), code))
+
+
+class CodedGatedMLP:
+    """The forward of ``mlp="coded"`` (the lean preset): as ``mlp="input"``, keeping a ``bits``-bit
+    code of the MLP's input in place of the input: the one filed under it (the RMSNorm's, under
+    ``rmsnorm="coded"``) or one made and filed here, before the gate and up projections run, so that
+    their ``bits``-bit codes are the same one (:mod:`sketchprop.codes`). Backward computes the gate
+    and up outputs from the decoded input: not exact (SiLU is not linear; module docstring,
+    "Coded"). Float32 training with gradients only; elsewhere :func:`gated_mlp_forward`'s. ``name``
+    (the module's qualified name) seeds the rounding's stream. A class, so that
+    ``torch.save(model)`` can pickle it."""
+
+    def __init__(self, module: nn.Module, bits: int, group: int, name: str = ""):
+        self.module, self.bits, self.group = module, bits, group
+        self.seeds = SeedStream("mlp-input", name)
+
+    @eager_island
+    def __call__(self, x: Tensor) -> Tensor:
+        mlp = self.module
+        if not (mlp.training and torch.is_grad_enabled() and x.dtype == torch.float32):
+            return gated_mlp_forward(mlp, x)
+        code = code_of(x) or make_code(x, self.bits, self.group, self.seeds.next())
+        return gated_mlp_input_forward(mlp, x, code)
 
 
 def _gated_rest(self: nn.Module, g: Tensor, u: Tensor) -> Tensor:

@@ -72,6 +72,23 @@ def _backward_from_output(ctx, dy, y, rstd, weight, bias, kept, cols, mean):
     return None if dx is None else dx.mul_(rstd), dw, db
 
 
+def _kept_columns(module: nn.Module, bias: Tensor | None) -> Tensor | None:
+    """Indices of the columns of ``module``'s norm that keep their input (None: none), computed
+    again only when ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
+    weight = module.weight
+    if weight is None:
+        return None
+    key = (weight.data_ptr(), weight._version, None if bias is None else
+           (bias.data_ptr(), bias._version))
+    cached = module.__dict__.get("_kept")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs()))
+            kept = (weight.abs() < floor).reshape(-1).nonzero().squeeze(1)
+        cached = module.__dict__["_kept"] = (key, kept if kept.numel() else None)
+    return cached[1]
+
+
 class _OutputLayerNormFunction(torch.autograd.Function):
     """LayerNorm over the last dimension of a 2-D ``x`` that saves its output, ``1 / std`` per row
     and the input columns listed in ``kept`` (with the row means), not the input."""
@@ -125,20 +142,7 @@ class OutputLayerNorm(nn.LayerNorm):
         return new
 
     def _kept_columns(self) -> Tensor | None:
-        """Indices of the columns that keep their input (None: none), computed again only when
-        ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
-        weight, bias = self.weight, self.bias
-        if weight is None:
-            return None
-        key = (weight.data_ptr(), weight._version, None if bias is None else
-               (bias.data_ptr(), bias._version))
-        cached = self.__dict__.get("_kept")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs()))
-                kept = (weight.abs() < floor).reshape(-1).nonzero().squeeze(1)
-            cached = self.__dict__["_kept"] = (key, kept if kept.numel() else None)
-        return cached[1]
+        return _kept_columns(self, self.bias)
 
     @eager_island
     def forward(self, x: Tensor) -> Tensor:
@@ -225,6 +229,39 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+class _CodedRMSNormFunction(torch.autograd.Function):
+    """:class:`RMSNormFunction` on a 2-D float32 ``x`` that saves a ``bits``-bit code of its
+    output (a :class:`~sketchprop.codes.SharedCode`, appended to ``made`` for the caller to file),
+    the ``rsqrt`` per row and the input columns listed in ``kept``, not the input: backward makes
+    the normalised input again as ``y~ / weight``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, kept: Tensor | None, bits: int,
+                group: int, seed: int, made: list) -> Tensor:
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        y = weight * (x * r)
+        payload, spec, _ = quantize(y, bits, group, seed)
+        made.append(SharedCode(payload, spec))
+        ctx.spec = spec
+        ctx.save_for_backward(payload, weight, r, kept,
+                              None if kept is None else x.index_select(-1, kept))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        payload, weight, r, kept, cols = ctx.saved_tensors
+        n = SharedCode(payload, ctx.spec).decode().mul_(weight.reciprocal())
+        if kept is not None:
+            n.index_copy_(-1, kept, cols * r)
+        dw = (dy * n).sum(0) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dn = dy * weight
+            # As RMSNormFunction's, with x r = n: r (dn - n mean(dn n)).
+            dx = (dn - n * (dn * n).mean(-1, keepdim=True)).mul_(r)
+        return dx, dw, *[None] * 6
+
+
 def _rms_eps(module: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps"):
         eps = getattr(module, name, None)
@@ -261,3 +298,31 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
         return type(self).forward(self, x)
     return RMSNormFunction.apply(x, self.weight, _rms_eps(self))
+
+
+class CodedRMSNorm:
+    """The forward :func:`~sketchprop.patch_activations` gives an RMSNorm under
+    ``rmsnorm="coded"`` (the lean preset): in training with gradients, on float32, it keeps a
+    ``bits``-bit code of its output (groups of ``group`` columns, stochastic rounding), filed for
+    the next layers to share, and one statistic per row (:class:`_CodedRMSNormFunction`); elsewhere
+    :func:`rms_norm_forward`'s. ``name`` (the module's qualified name) seeds the rounding's
+    stream. A class, so that ``torch.save(model)`` can pickle it; module docstring, "RMSNorm"."""
+
+    def __init__(self, module: nn.Module, bits: int, group: int = DEFAULT_GROUP, name: str = ""):
+        self.module, self.bits, self.group = module, check_bits(bits), check_group(group)
+        self.seeds = SeedStream("rmsnorm", name)
+
+    @eager_island
+    def __call__(self, x: Tensor) -> Tensor:
+        module = self.module
+        if not (module.training and x.dtype == torch.float32
+                and module.weight.dtype == torch.float32):
+            return rms_norm_forward(module, x)
+        if not (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
+            return type(module).forward(module, x)
+        made: list = []
+        y = _CodedRMSNormFunction.apply(x.reshape(-1, x.shape[-1]), module.weight,
+                                        _rms_eps(module), _kept_columns(module, None), self.bits,
+                                        self.group, self.seeds.next(), made).view(x.shape)
+        file_code(y, made[0])
+        return y

@@ -1,0 +1,271 @@
+"""The lean preset on a Llama-shaped decoder: RMSNorm's backward from a code of its output, the
+attention's Q, K, V (rotated) and the gated MLP's gate and up outputs made again from that code,
+the linear layers sharing it; exact where the code is the tensor itself, unbiased in the mean of
+draws, reversible."""
+
+import copy
+import math
+
+import pytest
+import torch
+from test_decoder import VOCAB, tiny_llama
+from test_lean import z_scores
+
+from sketchprop import patch_activations, patch_linear, unpatch_activations
+from sketchprop.activations import CodedRMSNorm, RMSNormFunction, attention, mlp, norms
+from sketchprop.measure import SavedTensorMeter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def full_batch(n=3, length=12):
+    ids = torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def grads(model, inputs) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(got: dict, exact: dict) -> float:
+    return math.sqrt(sum(((got[n] - exact[n]) ** 2).sum() for n in exact)
+                     / sum((exact[n] ** 2).sum() for n in exact))
+
+
+def nodes(loss: torch.Tensor) -> set[str]:
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo += [g for g, _ in f.next_functions]
+    return {type(f).__name__ for f in seen}
+
+
+class IdentityCode:
+    """A stand-in for SharedCode whose payload is the tensor itself: the code paths then compute
+    with the very input, and must give the uncoded paths' gradients."""
+
+    def __init__(self, payload, spec=None):
+        self.payload, self.spec = payload, spec
+
+    def decode(self, dtype=None):
+        return self.payload
+
+
+# Layer: RMSNorm's backward from a 4-bit code of its output.
+
+
+def rmsnorm_draws(draws: int, width=64, rows=256, group=16):
+    """``draws`` gradients of a coded RMSNorm (independent roundings) and the exact ones."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g) * 2 + 1
+    dy = torch.randn(rows, width, generator=g)
+    norm = tiny_llama().model.norm  # a transformers LlamaRMSNorm, its width changed below
+    norm.weight = torch.nn.Parameter(0.5 + torch.rand(width, generator=g))
+    xr = x.clone().requires_grad_()
+    RMSNormFunction.apply(xr, norm.weight, norm.variance_epsilon).backward(dy)
+    exact = (xr.grad, norm.weight.grad.clone())
+    coded = CodedRMSNorm(norm.train(), bits=4, group=group, name="norm")
+    out = []
+    for _ in range(draws):
+        norm.zero_grad()
+        xr = x.clone().requires_grad_()
+        coded(xr).backward(dy)
+        out.append((xr.grad, norm.weight.grad.clone()))
+    return exact, [torch.stack(t) for t in zip(*out, strict=True)]
+
+
+def test_coded_rmsnorm_weight_gradient_is_unbiased_and_input_gradient_bias_below_noise():
+    """The weight's gradient is linear in the code: unbiased. The input's last term is quadratic
+    in it (as LayerNorm's: norms module docstring): its bias, a 64th of a 4-bit rounding's
+    variance, is below the standard error of 200 draws; a code read wrong would not be."""
+    (dx, dw), (dxs, dws) = rmsnorm_draws(200)
+    assert z_scores(dws, dw).abs().max() < 4  # 8 normal z-scores: |z| > 4 has p ~ 5e-4 in all
+    assert z_scores(dxs, dx).abs().max() < 4
+    assert (dws.std(0) > 0).all()  # the code is random
+
+
+def test_coded_rmsnorm_backward_from_an_exact_code_is_rmsnormfunctions(monkeypatch):
+    """The backward's arithmetic alone: given its output itself as the code, the coded RMSNorm's
+    gradients are RMSNormFunction's, to float32 rounding; a column with a tiny weight keeps its
+    input column."""
+    monkeypatch.setattr(norms, "SharedCode", IdentityCode)
+    monkeypatch.setattr(norms, "quantize", lambda y, bits, group, seed: (y.clone(), None, None))
+    norm = tiny_llama().model.norm.train()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.weight[3] = 1e-4
+    x = torch.randn(2, 5, 32) * 2 + 1
+    dy = torch.randn(2, 5, 32)
+    got = []
+    for f in (CodedRMSNorm(norm, bits=4, name="norm"),
+              lambda t: RMSNormFunction.apply(t, norm.weight, norm.variance_epsilon)):
+        norm.zero_grad()
+        xr = x.clone().requires_grad_()
+        f(xr).backward(dy)
+        got.append((xr.grad, norm.weight.grad.clone()))
+    for a, b in zip(*got, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_coded_rmsnorm_keeps_the_input_of_a_column_with_a_tiny_weight():
+    """Its output divided by a weight of 1e-4 would blow the code's rounding up ten
+    thousandfold: that column's normalised input comes from its kept input column, exact."""
+    norm = tiny_llama().model.norm.train()
+    with torch.no_grad():
+        norm.weight[3] = 1e-4
+    x, dy = torch.randn(40, 32), torch.randn(40, 32)
+    RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon).backward(dy)
+    want = norm.weight.grad.clone()
+    norm.zero_grad()
+    CodedRMSNorm(norm, bits=4, name="norm")(x).backward(dy)
+    assert torch.allclose(norm.weight.grad[3], want[3], rtol=1e-5)
+
+
+def test_coded_rmsnorm_forward_is_the_models_and_eval_is_compact():
+    norm = tiny_llama().model.norm
+    x = torch.randn(2, 5, 32)
+    coded = CodedRMSNorm(norm.train(), bits=4, name="norm")
+    with torch.no_grad():
+        want = norm(x)
+    assert torch.equal(coded(x.requires_grad_()), want)
+    norm.eval()
+    y = coded(x)
+    assert y.grad_fn.name().startswith("RMSNormFunction")
+
+
+# The rotated Q, K, V and the gated MLP made again from the code: exact when the code is exact.
+
+
+def identity_codes(monkeypatch, module):
+    monkeypatch.setattr(module, "SharedCode", IdentityCode)
+    monkeypatch.setattr(module, "code_of", lambda x: None)
+    monkeypatch.setattr(module, "make_code",
+                        lambda x, bits, group, seed: IdentityCode(x.detach().reshape(-1, x.shape[-1])))
+
+
+def test_rotary_attention_made_again_from_its_input_is_the_kept_qkv(monkeypatch):
+    identity_codes(monkeypatch, attention)
+    inputs = full_batch()
+    kept = tiny_llama().train()
+    patch_activations(kept, attention="recompute", mlp="stored", rmsnorm="stored",
+                      lm_loss="stored", dropout="stored")
+    want = grads(kept, inputs)
+    model = tiny_llama().train()
+    patch_activations(model, attention="coded", mlp="stored", rmsnorm="stored", lm_loss="stored",
+                      dropout="stored")
+    loss = model(**inputs).loss  # use_cache is on (the config's default): a fresh cache
+    assert "_ProjectedAttentionBackward" in nodes(loss)
+    assert "_RecomputedAttentionBackward" not in nodes(loss)
+    model.zero_grad()
+    loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_gated_mlp_made_again_from_its_code_is_mlp_input(monkeypatch):
+    identity_codes(monkeypatch, mlp)
+    inputs = full_batch()
+    plain = tiny_llama().train()
+    patch_activations(plain, mlp="input", rmsnorm="stored")
+    want = grads(plain, inputs)
+    model = tiny_llama().train()
+    patch_activations(model, mlp="coded", rmsnorm="stored")
+    got = grads(model, inputs)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+# Sharing: one code per RMSNorm output, read by the next layers.
+
+
+def saved_payloads(loss) -> dict[str, list[int]]:
+    """The data pointers of the uint8 tensors each Function kind keeps."""
+    out: dict[str, list[int]] = {}
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        todo += [g for g, _ in f.next_functions]
+        for t in getattr(f, "saved_tensors", ()) if "Backward" in type(f).__name__ and hasattr(
+                f, "saved_tensors") else ():
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+                out.setdefault(type(f).__name__, []).append(t.data_ptr())
+    return out
+
+
+def lean_llama():
+    model = tiny_llama().train()
+    patch_linear(model, sketch="exact", bits=4, exclude="lm_head")
+    patch_activations(model, preset="lean")
+    return model
+
+
+def test_lean_llama_layers_share_the_rmsnorm_codes():
+    model = lean_llama()
+    loss = model(**full_batch()).loss
+    payloads = saved_payloads(loss)
+    norms = set(payloads.pop("_CodedRMSNormFunctionBackward"))
+    assert len(norms) == 5  # two per layer and the final norm
+    # attention and the gated MLP keep the codes of the norms before them, nothing of their own
+    assert set(payloads["_ProjectedAttentionBackward"]) <= norms
+    assert set(payloads["GatedFromInputBackward"]) <= norms
+    # q, k, v, gate and up read a norm's code; o_proj and down_proj code their own input
+    linear = payloads["SketchedLinearFunctionBackward"]
+    assert sum(p in norms for p in linear) == 2 * 5
+    assert len(set(linear) - norms) == 2 * 2
+    loss.backward()
+
+
+def test_lean_llama_saves_fewer_bytes_than_compact():
+    def saved(preset):
+        model = tiny_llama().train()
+        patch_linear(model, sketch="exact", bits=4, exclude="lm_head")
+        patch_activations(model, preset=preset)
+        with SavedTensorMeter(model) as meter:
+            loss = model(**full_batch()).loss
+        loss.backward()
+        return meter.bytes
+
+    compact, lean = saved("compact"), saved("lean")
+    # compact keeps per layer two float32 RMSNorm inputs and the gate and up outputs (36 x 32 and
+    # 36 x 48 each, twice); lean keeps none of them
+    assert compact - lean >= 2 * (2 * 36 * 32 + 2 * 36 * 48) * 4 * 0.8
+
+
+def test_lean_llama_gradient_is_close_to_exact_and_averages_towards_it():
+    """Every parameter's gradient, relative to exact: the mean of 16 draws is closer than one
+    draw by much more than a constant bias would allow."""
+    inputs = full_batch()
+    exact = grads(tiny_llama().train(), inputs)
+    model = lean_llama()
+    draws = [grads(model, inputs) for _ in range(16)]
+    mean = {n: torch.stack([d[n] for d in draws]).mean(0) for n in exact}
+    one = sum(rel(d, exact) for d in draws) / len(draws)
+    assert rel(mean, exact) < one / 2.5, (rel(mean, exact), one)
+
+
+def test_lean_llama_patches_unpatches_and_pickles(tmp_path):
+    model = tiny_llama().train()
+    plain = copy.deepcopy(model)
+    keys = model.state_dict().keys()
+    names = patch_activations(model, preset="lean")
+    assert isinstance(model.model.norm.forward, CodedRMSNorm)
+    assert isinstance(model.model.layers[0].mlp.forward, mlp.CodedGatedMLP)
+    assert model.state_dict().keys() == keys
+    model(**full_batch()).loss.backward()
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert torch.isfinite(grads(loaded, full_batch())["model.norm.weight"]).all()
+    assert unpatch_activations(model) == names
+    assert "forward" not in model.model.norm.__dict__
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**full_batch()).logits, plain(**full_batch()).logits)
+    assert not attention._inputs()
