@@ -298,7 +298,7 @@ MLP = ("stored", "recompute", "input", "auto", "coded")
 RMSNORM = ("stored", "compact", "coded")
 LM_LOSS = ("stored", "chunked")
 #: ``preset=`` values: the parts' values a preset gives where its call does not (``"compact"``:
-#: the signature's defaults; ``"lean"``: LayerNorm outputs and attention block inputs kept once, as
+#: the signature's defaults; ``"lean"``: norm outputs and attention and MLP inputs kept once, as
 #: the codes the next layers share).
 PRESETS = {"compact": {}, "lean": {"layernorm": "coded", "attention": "coded", "rmsnorm": "coded",
                                    "mlp": "coded"}}
@@ -374,18 +374,22 @@ def patch_activations(
             full-size weights are frozen (LoRA: a step that stays under exact's time), else
             ``"recompute"``, decided on each call (an MLP whose gate or up projection is not a
             plain or LoRA linear layer, or has LoRA dropout, keeps the gate and up outputs under
-            ``"input"`` too); or ``"stored"``.
+            ``"input"`` too); ``"coded"``: as ``"input"``, from the ``code_bits``-bit code of the
+            input (:class:`~sketchprop.activations.CodedGatedMLP`; not exact); or ``"stored"``.
         rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
-            row (:class:`~sketchprop.activations.RMSNormFunction`; exact), or ``"stored"``.
+            row (:class:`~sketchprop.activations.RMSNormFunction`; exact), ``"coded"``
+            (:class:`~sketchprop.activations.CodedRMSNorm`: a ``code_bits``-bit code of its
+            output, shared with the next layers; a bias of second order) or ``"stored"``.
         lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
             tokens, the logits made again in backward (:func:`~sketchprop.activations.chunked_lm_loss`;
             exact; ``logits`` is None in the output while it trains with labels), or ``"stored"``.
         targets / exclude: regexes on qualified module names selecting the dropout, GELU,
             LayerNorm, MLP and RMSNorm modules, as in :func:`patch_linear`.
-        preset: ``"compact"`` (the defaults above) or ``"lean"``: ``layernorm="coded"`` and
-            ``attention="coded"`` too, so that each LayerNorm output and attention block input is
-            kept once, as one ``code_bits``-bit code (groups of ``code_group``) that LayerNorm's
-            backward, the attention's recompute and the next linear layers read (shared with
+        preset: ``"compact"`` (the defaults above) or ``"lean"``: ``layernorm``, ``rmsnorm``,
+            ``attention`` and ``mlp`` ``"coded"`` too, so that each norm's output and attention
+            block input is kept once, as one ``code_bits``-bit code (groups of ``code_group``) that
+            the norm's backward, the attention's and the gated MLP's recompute and the next
+            linear layers read (shared with
             :func:`patch_linear`'s codes of the same width and group: ``bits=4`` with the
             defaults; :mod:`sketchprop.codes`). Biased at second order (docs/library.md, "Lean").
             Options given explicitly override the preset's.

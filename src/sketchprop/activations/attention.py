@@ -16,7 +16,10 @@ code, the one its LayerNorm filed or one made by :class:`CodeAttentionInput` (an
 Q, K, V projections' codes: :mod:`sketchprop.codes`), and backward makes Q, K and V again from the
 decoded input. Not exact: the recomputed probabilities differ from forward's, and the gradients
 of Q, K, V carry their error (a bias, as the softmax is not linear); both measured by
-``scripts/lean_check.py``.
+``scripts/lean_check.py``. Coded, a Llama-style block (``q_proj``, ``k_proj``, ``v_proj`` and
+rotary ``position_embeddings``: :func:`has_rope_projections`) is made again too: Q and K rotated
+with the call's ``cos, sin`` (saved, one pair shared by every layer), checked bit for bit against
+forward's on the first call; a call with a cache that already held keys keeps Q, K and V.
 
 Attention (grouped K/V heads, rotary embeddings) goes through
 :func:`recompute_attention`, which keeps the rotated Q and K and the

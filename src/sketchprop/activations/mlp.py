@@ -18,6 +18,14 @@ Llama shape (hidden 768, MLP 2048, GQA 12/4, 4x256 tokens, CPU): with LoRA + ske
 ``"input"`` keeps 0.28x exact's saved bytes against 0.47x, and its step takes 0.99x exact's
 time against 0.86x; fully fine-tuned, where the two more matmuls come on top of the weight
 gradients' own, compact's step took 1.24x exact's with ``"input"`` against 1.06x.
+
+**Coded** (``mlp="coded"``, :class:`CodedGatedMLP`, the lean preset): as ``"input"``, with the
+input kept as the ``b``-bit code that its RMSNorm filed (or one made here), the same code that the
+gate and up projections' ``b``-bit codes are: nothing of the MLP's width is kept but the down
+projection's own input code. Backward makes ``g~ = gate(x~)`` and ``u~ = up(x~)`` from the decoded
+input ``x~``: ``u~`` is unbiased, but ``silu(g~)`` and ``silu'(g~)`` are not linear in the code,
+so the gradients reaching the gate and up projections carry a bias of second order in the
+rounding (measured, with the other coded parts, by the lean benchmarks).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 r"""Normalisations that keep less for backward: LayerNorm from its output
-(``layernorm="output"``) and Llama's RMSNorm from its input and one statistic per row
-(``rmsnorm="compact"``).
+(``layernorm="output"``) or a code of it (``layernorm="coded"``), and Llama's RMSNorm from its
+input and one statistic per row (``rmsnorm="compact"``) or a code of its output
+(``rmsnorm="coded"``).
 
 **LayerNorm** (:class:`OutputLayerNorm`, ``layernorm="output"``): keeps its output ``y`` and
 the per-row ``1 / std`` instead of its input, and makes the normalised input again in backward,
@@ -29,6 +30,15 @@ below the floor above keep their input, as in ``"output"``.
 statistic per row (``1 / rms``); backward makes the normalised input again. Exact. Applied to
 modules named ``*RMSNorm`` that compute ``weight * (x / rms(x))`` (checked on a random input
 and weight before anything changes; Gemma's ``(1 + weight)`` form is left as it is).
+
+**Coded RMSNorm** (:class:`CodedRMSNorm`, ``rmsnorm="coded"``, the lean preset): as LayerNorm's
+"Coded", for RMSNorm: the output is kept as a ``b``-bit code, filed for the next layers (Q, K, V
+and the attention's recompute after ``input_layernorm``; gate and up and the gated MLP's recompute
+after ``post_attention_layernorm``), with ``1 / rms`` per row, and backward makes the normalised
+input again as ``y~ / weight``. The weight's gradient is linear in the code: unbiased; the input's
+last term, ``n~_i mean_j(dn_j n~_j)``, is quadratic: a bias of ``Var(e / w) / n`` of the element's
+first term, as LayerNorm's. Columns with ``|weight| < 0.01`` keep their input. Float32 only (a half
+precision model keeps the compact path).
 """
 
 from __future__ import annotations

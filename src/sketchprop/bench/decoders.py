@@ -9,6 +9,10 @@ the inputs (transformers shifts them), CPU, SDPA attention as transformers picks
 - ``compact``: ``patch_activations(model)`` with its defaults (what applies to the model);
 - ``ours+compact``: ``patch_linear(model, sketch, rho)`` (lm_head left exact, the default) and
   ``patch_activations(model)``;
+- ``int4+compact``, ``int4+lean``: ``patch_linear(model, sketch="exact", bits=4)`` (every linear
+  input kept as a 4-bit code) and ``patch_activations(model)``, or with ``preset="lean"`` (each
+  RMSNorm output kept once, as the 4-bit code that the next linear layers, the attention's
+  rotated Q, K, V and the gated MLP's gate and up outputs are made again from in backward);
 - ``lora``: peft LoRA (r 8, alpha 16, no dropout) on every linear layer of the blocks, the rest
   frozen;
 - ``lora+ours+compact``: the same with ``patch_linear(targets="lora_A")`` (the adapters'
@@ -103,19 +107,21 @@ def split_methods(text: str) -> list[str]:
 
 
 def parse_method(method: str) -> tuple[list[str], dict[str, str]]:
-    """A method's parts (``+``-joined: ``exact``, ``compact``, ``ours``, ``lora``) and the
-    options of its ``compact(key=value,...)`` part; ValueError naming what is wrong."""
+    """A method's parts (``+``-joined: ``exact``, ``compact``, ``lean``, ``ours``, ``int4``,
+    ``lora``) and the options of its ``compact(key=value,...)`` or ``lean(...)`` part; ValueError
+    naming what is wrong."""
     parts, options = [], {}
     for part in method.split("+"):
-        m = re.fullmatch(r"(exact|compact|ours|lora)(?:\((.*)\))?", part)
+        m = re.fullmatch(r"(exact|compact|lean|ours|int4|lora)(?:\((.*)\))?", part)
         if m is None:
-            raise ValueError(f"unknown method {method!r}: join exact, compact, ours and lora with "
-                             f"'+', options in compact(key=value,...), e.g. "
+            raise ValueError(f"unknown method {method!r}: join exact, compact, lean, ours, int4 "
+                             f"and lora with '+', options in compact(key=value,...), e.g. "
                              f"lora+ours+compact(mlp=recompute)")
         name, opts = m.groups()
         if opts is not None:
-            if name != "compact":
-                raise ValueError(f"method {method!r}: only compact takes options, not {name}")
+            if name not in ("compact", "lean"):
+                raise ValueError(f"method {method!r}: only compact and lean take options, not "
+                                 f"{name}")
             for kv in opts.split(","):
                 key, eq, value = kv.partition("=")
                 if not (key and eq and value):
@@ -155,11 +161,13 @@ def configure(base, arch: str, method: str, sketch: str, rho: float):
         model = get_peft_model(model, LoraConfig(
             task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0,
             target_modules=LORA_TARGETS[arch], fan_in_fan_out=arch == "gpt2"))
+    where = {"targets": "lora_A"} if "lora" in parts else {}
     if "ours" in parts:
-        patch_linear(model, sketch=sketch, rho=rho, **({"targets": "lora_A"} if "lora" in parts
-                                                        else {}))
-    if "compact" in parts:
-        patch_activations(model, **options)
+        patch_linear(model, sketch=sketch, rho=rho, **where)
+    if "int4" in parts:
+        patch_linear(model, sketch="exact", bits=4, **where)
+    if "compact" in parts or "lean" in parts:
+        patch_activations(model, **options, **({"preset": "lean"} if "lean" in parts else {}))
     return model
 
 
