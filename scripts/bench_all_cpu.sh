@@ -40,6 +40,7 @@ declare -A RUNS=(
     [gelu_bits]="scripts/gelu_bits.py --threads $T"
     [equal_bytes]="scripts/equal_bytes.py --threads $T"
     [decoders_llama]="scripts/decoders.py --architectures llama --methods exact,compact,compact(mlp=input),compact(attention=recompute),ours+compact --threads $T --tag _llama"
+    [decoders_llama_lean]="scripts/decoders.py --architectures llama --methods exact,compact,int4+compact,int4+lean --threads $T --tag _llama_lean"
     [decoders_llama_lora]="scripts/decoders.py --architectures llama --batch 16 --methods exact,lora,lora+ours+compact --threads $T --tag _llama_lora"
     [decoders_time]="scripts/decoders.py --architectures llama --batch 16 --methods exact,compact,compact(lm_loss=stored),ours+compact,lora,lora+ours+compact --time-steps 7 --threads $T --tag _time"
     [decoders_llama_lora_time]="scripts/decoders.py --architectures llama --batch 4 --methods exact,lora,lora+ours+compact,lora+ours+compact(mlp=recompute) --time-steps 7 --threads $T --tag _llama_lora_time"
@@ -58,7 +59,7 @@ declare -A RUNS=(
 ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 roberta_exactskip roberta_bytes
        roberta_memory minilm overhead variance layer_importance minilm_importance importance_variance
        roberta_compact_bytes roberta_compact_time roberta_compact_alone_time roberta_lnout_time
-       roberta_bits_time roberta_fair minilm_fair bits_cost gelu_bits equal_bytes decoders_llama decoders_llama_lora decoders_time
+       roberta_bits_time roberta_fair minilm_fair bits_cost gelu_bits equal_bytes decoders_llama decoders_llama_lean decoders_llama_lora decoders_time
        decoders_llama_lora_time
        decoders_gpt2 decoders_gpt2_lora decoders_gpt2_time saved_full saved_lean lean_check roberta_lean_time roberta_lean_time_full speed_lean speed)
 if [[ $# -gt 0 ]]; then ORDER=("$@"); fi

@@ -15,9 +15,9 @@ from sketchprop.glue.config import ConfigError, compose, validate
 from sketchprop.glue.runs import identity
 
 
-def lean_model(layers=2, exclude=None, skip_padding=True):
+def lean_model(layers=2, exclude=None, skip_padding=True, sketch="exact", rho=1.0):
     model = tiny_roberta(layers).train()
-    patch_linear(model, sketch="exact", bits=4, exclude=exclude, skip_padding=skip_padding)
+    patch_linear(model, sketch=sketch, rho=rho, bits=4, exclude=exclude, skip_padding=skip_padding)
     patch_activations(model, preset="lean")
     return model
 
@@ -216,14 +216,16 @@ def test_lean_saves_fewer_bytes_than_compact_and_no_float_layernorm_output():
     assert compact - lean >= 5 * 64 * 32 * 4 - 5 * 64 * 32
 
 
-def test_lean_gradient_is_close_to_exact_and_averages_towards_it():
+@pytest.mark.parametrize("sketch, rho", [("exact", 1.0), ("blocksrht", 0.5)])
+def test_lean_gradient_is_close_to_exact_and_averages_towards_it(sketch, rho):
     """Every parameter's gradient, relative to exact: one draw is noisy, and the mean of 16 draws
     is about four times closer (the code's noise averages out; the second-order bias is far
-    below it)."""
+    below it). With a sketch, the linear layers keep their sketched rows' own codes beside the
+    shared ones, and the sketch's noise averages out as well."""
     inputs = full_batch()
     plain = tiny_roberta().train()
     exact = grads(plain, inputs)
-    model = lean_model()
+    model = lean_model(sketch=sketch, rho=rho)
 
     def rel(g):
         return math.sqrt(sum(((g[n] - exact[n]) ** 2).sum() for n in exact)

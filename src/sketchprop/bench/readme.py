@@ -36,7 +36,7 @@ OVERHEAD = "overhead_cpu"
 # Importance sampling against blocksrht: variance on real batches, one layer's time, a step's time.
 IMPORTANCE = ("importance_variance", "layer_cpu_importance", "model_cpu_minilm_importance")
 # Decoder LMs (scripts/decoders.py): the Llama shape's saved bytes, with LoRA, and step time.
-DECODERS = ("decoders_llama", "decoders_llama_lora", "decoders_time")
+DECODERS = ("decoders_llama", "decoders_llama_lora", "decoders_time", "decoders_llama_lean")
 SPEED = "speed_cpu"  # scripts/bench_speed.py: its targets, each with its verdict
 
 
@@ -214,11 +214,13 @@ def layernorm_targets(runs, ours_name: str, add) -> None:
 
 def decoder_targets(d: Path, add) -> None:
     """The Llama shape (hidden 768, 12 layers, GQA 12/4, MLP 2048, vocabulary 32000): compact
-    activations keep at most 0.55x exact's saved bytes, LoRA + ours 0.1 + compact at most 0.30x;
-    compact's step at most 1.10x exact's time."""
-    size, lora, timed = (load(d, stem) for stem in DECODERS)
+    activations keep at most 0.55x exact's saved bytes, LoRA + ours 0.1 + compact at most 0.30x,
+    4 bits + lean at most 0.05x (checkpointing's share on roberta-base is 0.06x); compact's step at
+    most 1.10x exact's time."""
+    size, lora, timed, lean = (load(d, stem) for stem in DECODERS)
     for data, stem, name, lim in ((size, DECODERS[0], "compact", 0.55),
-                                  (lora, DECODERS[1], "lora+ours+compact", 0.30)):
+                                  (lora, DECODERS[1], "lora+ours+compact", 0.30),
+                                  (lean, DECODERS[3], "int4+lean", 0.05)):
         rows = (data or {}).get("results", {}).get("llama", {})
         if name in rows:
             r = rows[name]["saved_bytes"] / rows["exact"]["saved_bytes"]
