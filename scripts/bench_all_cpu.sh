@@ -47,7 +47,7 @@ declare -A RUNS=(
     [decoders_gpt2]="scripts/decoders.py --architectures gpt2 --methods exact,compact,compact(attention=stored),ours+compact --threads $T --tag _gpt2"
     [decoders_gpt2_lora]="scripts/decoders.py --architectures gpt2 --batch 16 --methods exact,lora,lora+ours+compact --threads $T --tag _gpt2_lora"
     [decoders_gpt2_time]="scripts/decoders.py --architectures gpt2 --batch 16 --methods exact,compact,ours+compact,lora,lora+ours+compact --time-steps 5 --threads $T --tag _gpt2_time"
-    [saved_full]="scripts/saved_tensors.py --rows full --batch 16 --seq 128 --methods exact,int4+compact,int4+lean,ckpt --threads $T"
+    [saved_full]="scripts/saved_tensors.py --rows full --batch 16 --seq 128 --methods exact,int4+compact,int4+lean,int4g128+lean,ckpt --threads $T"
     [saved_lean]="scripts/saved_tensors.py --batch 16 --seq 128 --methods exact,int4+compact,int4+lean,ckpt --threads $T --tag _lean"
     [lean_check]="scripts/lean_check.py --threads $T"
     [roberta_lean_time]="scripts/bench_model.py --models roberta-base --methods exact,exact-skip,ckpt,int4+compact,int4+lean --parts time --threads $T --tag _roberta_lean_time"

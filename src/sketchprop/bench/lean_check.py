@@ -12,6 +12,8 @@ input rows as 4-bit codes (``patch_linear(sketch="exact", bits=4)``, the head le
 - ``int4+lean``: ``patch_activations(preset="lean")``: LayerNorm outputs and attention block inputs
   kept once, as the linear layers' 4-bit codes;
 - ``int4+lean8``: the same with 8-bit codes (not shared with the 4-bit linear codes: more bytes);
+- ``int4g128+lean``: lean with every code's scales over groups of 128 columns, not 64 (fewer
+  bytes: a group's two bfloat16 ends over twice the columns);
 - ``int4+compact+ln``, ``int4+compact+attn``: lean's two parts one at a time (``layernorm="coded"``,
   ``attention="coded"``), to tell their shares apart.
 
@@ -43,6 +45,7 @@ from torch import nn
 from sketchprop import patch_activations, patch_linear
 from sketchprop.activations import CodedLayerNorm, has_projections
 from sketchprop.codes import make_code
+from sketchprop.quantize import DEFAULT_GROUP
 
 from . import importance_variance as iv
 from .common import environment, fmt_table, setup_device, write_outputs
@@ -54,6 +57,7 @@ METHODS = {
     "int4+compact": {},
     "int4+lean": {"preset": "lean"},
     "int4+lean8": {"preset": "lean", "code_bits": 8},
+    "int4g128+lean": {"preset": "lean", "code_group": 128},
     "int4+compact+ln": {"layernorm": "coded"},
     "int4+compact+attn": {"attention": "coded"},
 }
@@ -68,7 +72,8 @@ def no_dropout(model: nn.Module) -> nn.Module:
 
 def patched(model: nn.Module, acts: dict | None) -> nn.Module:
     model = copy.deepcopy(model)
-    patch_linear(model, sketch="exact", bits=4, exclude="classifier")
+    patch_linear(model, sketch="exact", bits=4, exclude="classifier",
+                 group=(acts or {}).get("code_group", DEFAULT_GROUP))
     if acts is not None:
         patch_activations(model, **acts)
     return model

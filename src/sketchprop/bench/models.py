@@ -7,7 +7,7 @@
   of examples drawn (fixed seed) from a GLUE dev set (tokenized with MiniLM's tokenizer; a whitespace
   word count where it is missing; a fixed profile of MRPC lengths where the folder is missing).
 - Methods (:func:`method_list`, :class:`Configured`): what ``scripts/bench_model.py --methods``
-  names (``exact``, ``ckpt``, ``paper``, ``ours``, ``ours-<sketch>``, ``int<b>``, ``<method>+compact``
+  names (``exact``, ``ckpt``, ``paper``, ``ours``, ``ours-<sketch>``, ``int<b>``, ``int<b>g<group>``, ``<method>+compact``
   ...), each a dict of ``patch_linear`` / ``patch_activations`` arguments and checkpointing, applied
   for the duration of a ``with`` block.
 - Saved bytes (:func:`saved_bytes`, :func:`analytic_split`): one forward pass measured with
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -192,11 +193,16 @@ def method_list(args) -> list[dict]:
                         "patch": dict(sketch="exact", rho=1.0, exclude="classifier"),
                         "activations": acts})
             continue
-        if m in ("int8", "int4", "int2"):  # exact-skip with its stored X as b-bit codes
+        coded = re.fullmatch(r"int([842])(?:g(\d+))?", m)
+        if coded:  # exact-skip with its stored X as b-bit codes (int4g128: groups of 128 columns)
+            bits, group = coded.groups()
+            patch = dict(sketch="exact", rho=1.0, exclude="classifier", bits=int(bits))
+            if group:  # the lean codes at the same group, so that they are still shared
+                patch["group"] = int(group)
+                if acts is not None and acts.get("preset") == "lean":
+                    acts["code_group"] = int(group)
             out.append({"name": name, "method": name, "ckpt": False, "rho": None,
-                        "patch": dict(sketch="exact", rho=1.0, exclude="classifier",
-                                      bits=int(m[3:])),
-                        "activations": acts})
+                        "patch": patch, "activations": acts})
             continue
         for rho in args.rho_list:
             base = {"rho": rho, "ckpt": m.startswith("ckpt+"), "activations": acts}
