@@ -8,7 +8,8 @@
   word count where it is missing; a fixed profile of MRPC lengths where the folder is missing).
 - Methods (:func:`method_list`, :class:`Configured`): what ``scripts/bench_model.py --methods``
   names (``exact``, ``ckpt``, ``paper``, ``ours``, ``ours-<sketch>``, ``int<b>``,
-  ``int<b>g<group>``, ``<method>+compact`` ...), each a dict of ``patch_linear`` / ``patch_activations`` arguments and checkpointing, applied
+  ``int<b>g<group>``, ``<method>+compact`` ...), each a dict of ``patch_linear`` /
+  ``patch_activations`` arguments and checkpointing, applied
   for the duration of a ``with`` block.
 - Saved bytes (:func:`saved_bytes`, :func:`analytic_split`): one forward pass measured with
   ``SavedTensorMeter``, and the exact model's bytes split into what only the patched linear layers
