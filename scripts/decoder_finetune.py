@@ -14,7 +14,7 @@ from sketchprop.bench.common import BadArgs, add_threads_arg, default_glue_dir
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=ft.__doc__.splitlines()[0])
-    p.add_argument("--methods", default="exact,compact")
+    p.add_argument("--methods", default="exact,compact,int4+lean")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--length", type=int, default=128)

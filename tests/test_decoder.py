@@ -579,16 +579,16 @@ def test_decoder_finetune_quick(tmp_path):
 
     glue = _toy_sst2(tmp_path / "glue")
     run_script(py("decoder_finetune.py", "--quick", "--threads", "1", "--glue-dir", str(glue),
-                  "--methods", "exact,compact,lora+ours+compact", "--out-dir", str(tmp_path),
+                  "--methods", "exact,compact,int4+lean,lora+ours+compact", "--out-dir", str(tmp_path),
                   "--figure", str(tmp_path / "curves.png")), tmp_path)
     data = json.loads((tmp_path / "decoder_finetune_quick.json").read_text())
     rows = data["results"]
-    assert list(rows) == ["exact", "compact", "lora+ours+compact"]
+    assert list(rows) == ["exact", "compact", "int4+lean", "lora+ours+compact"]
     assert (tmp_path / "curves.png").stat().st_size > 0
     exact, compact, lora = rows["exact"], rows["compact"], rows["lora+ours+compact"]
     assert len(exact["train_loss"]) == len(compact["train_loss"]) == 3
     assert list(exact["dev_loss"]) == ["0", "2", "3"]
-    assert compact["saved_bytes"] < exact["saved_bytes"]
+    assert rows["int4+lean"]["saved_bytes"] < compact["saved_bytes"] < exact["saved_bytes"]
     assert lora["trainable"] < exact["trainable"] == compact["trainable"]
     assert compact["max_abs_loss_diff"] < 1e-4  # float rounding only
     assert compact["train_loss"][0] == pytest.approx(exact["train_loss"][0], abs=1e-5)

@@ -1,5 +1,6 @@
-"""Fine-tune a small pretrained causal LM with and without compact activations, same weights, seed
-and data order: the training-loss curves side by side, the saved bytes and the step time.
+"""Fine-tune a small pretrained causal LM exact, with compact activations and with 4 bits + lean,
+same weights, seed and data order: the training-loss curves side by side, the saved bytes and the
+step time.
 
 The model is SmolLM2-135M-Instruct (Llama architecture: 30 layers, hidden 576, 9 query / 3 key-value
 heads, SiLU-gated MLP 1536, RMSNorm, rotary attention, vocabulary 49152, tied embeddings). Its
@@ -17,6 +18,10 @@ same weights and take their steps in turn, one step each per round, so the per-r
 exact is measured as ``decoders.py`` measures it. Saved bytes: ``SavedTensorMeter`` on the first
 batch. ``compact`` is exact (SiLU-gated MLP, RMSNorm, chunked loss): its curve should lie on
 exact's, up to float rounding, and the largest step-wise loss difference is reported.
+``int4+lean`` (``patch_linear(sketch="exact", bits=4)``, ``patch_activations(preset="lean")``) is
+not exact: its codes are unbiased, with a second-order bias where a norm's or the attention's and
+the gated MLP's backward read them (``sketchprop.activations``), so its curve is one seed of a
+noisy method beside exact's.
 """
 
 from __future__ import annotations
