@@ -614,7 +614,7 @@ def test_decoder_finetune_refuses_bad_input(tmp_path):
 
     for args, message in ((["--methods", "exact,compactt"], "unknown method 'compactt'"),
                           (["--methods", "exact,compact(mlp=bogus)"], "unknown mlp 'bogus'"),
-                          (["--methods", "exact,ours(rho=0.5)"], "only compact takes options"),
+                          (["--methods", "exact,ours(rho=0.5)"], "only compact and lean take options"),
                           (["--glue-dir", str(tmp_path)], "lacks SST-2/train.tsv, SST-2/dev.tsv"),
                           (["--steps", "0"], "--steps must be at least 1")):
         proc = subprocess.run(py("decoder_finetune.py", "--quick", *args), capture_output=True,
@@ -633,7 +633,8 @@ def test_decoders_method_names_parse():
         "exact", "compact(mlp=recompute,attention=stored)", "lora+ours"]
     assert decoders.parse_method("lora+ours+compact(mlp=input,lm_loss=stored)") == (
         ["lora", "ours", "compact"], {"mlp": "input", "lm_loss": "stored"})
-    for bad, message in (("ours(rho=0.5)", "only compact takes options"),
+    assert decoders.parse_method("int4+lean(mlp=input)") == (["int4", "lean"], {"mlp": "input"})
+    for bad, message in (("ours(rho=0.5)", "only compact and lean take options"),
                          ("compact(mlp)", "is not key=value"), ("ours+", "unknown method"),
                          ("compact(mlp=input", "unknown method")):
         with pytest.raises(ValueError, match=message):

@@ -111,18 +111,21 @@ def test_coded_rmsnorm_backward_from_an_exact_code_is_rmsnormfunctions(monkeypat
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_coded_rmsnorm_keeps_the_input_of_a_column_with_a_tiny_weight():
+def test_coded_rmsnorm_keeps_the_input_of_a_column_with_a_small_weight():
     """Its output divided by a weight of 1e-4 would blow the code's rounding up ten
-    thousandfold: that column's normalised input comes from its kept input column, exact."""
+    thousandfold, and one of 0.05 in a group whose largest weight is 3 sixtyfold: those columns'
+    normalised inputs come from their kept input columns, exact; the others from the code."""
     norm = tiny_llama().model.norm.train()
     with torch.no_grad():
-        norm.weight[3] = 1e-4
+        norm.weight[3], norm.weight[5], norm.weight[9] = 1e-4, 3.0, 0.05
     x, dy = torch.randn(40, 32), torch.randn(40, 32)
     RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon).backward(dy)
     want = norm.weight.grad.clone()
     norm.zero_grad()
-    CodedRMSNorm(norm, bits=4, name="norm")(x).backward(dy)
-    assert torch.allclose(norm.weight.grad[3], want[3], rtol=1e-5)
+    CodedRMSNorm(norm, bits=4, group=16, name="norm")(x).backward(dy)
+    kept = torch.tensor([3, 9])
+    assert torch.allclose(norm.weight.grad[kept], want[kept], rtol=1e-5)
+    assert not torch.allclose(norm.weight.grad[16:], want[16:], rtol=1e-3)  # coded there
 
 
 def test_coded_rmsnorm_forward_is_the_models_and_eval_is_compact():
@@ -254,6 +257,7 @@ def test_lean_llama_patches_unpatches_and_pickles(tmp_path):
     model = tiny_llama().train()
     plain = copy.deepcopy(model)
     keys = model.state_dict().keys()
+    before = set(model.model.norm.__dict__)
     names = patch_activations(model, preset="lean")
     assert isinstance(model.model.norm.forward, CodedRMSNorm)
     assert isinstance(model.model.layers[0].mlp.forward, mlp.CodedGatedMLP)
@@ -263,9 +267,111 @@ def test_lean_llama_patches_unpatches_and_pickles(tmp_path):
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
     assert torch.isfinite(grads(loaded, full_batch())["model.norm.weight"]).all()
     assert unpatch_activations(model) == names
-    assert "forward" not in model.model.norm.__dict__
+    assert set(model.model.norm.__dict__) == before  # no forward, no cached columns left
     model.eval()
     plain.eval()
     with torch.no_grad():
         assert torch.equal(model(**full_batch()).logits, plain(**full_batch()).logits)
     assert not attention._inputs()
+
+
+# Where the recompute from the code would not be the forward's, it keeps Q, K, V (or the MLP's
+# input): checked with codes that are the tensors themselves, so any difference is not rounding.
+
+
+@pytest.fixture
+def exact_codes(monkeypatch):
+    """Every code is its tensor itself: the coded paths must then give exact gradients."""
+    from sketchprop import codes, functional, layers
+    from sketchprop import quantize as q
+
+    def same(x, bits, group, seed, want_qvar=False):
+        rows = x.detach().reshape(-1, x.shape[-1])
+        return rows.clone(), q.QuantSpec(bits, group, *rows.shape, x.dtype), None
+
+    for module in (codes, layers, norms):
+        monkeypatch.setattr(module, "quantize", same)
+    for module in (codes, functional):
+        monkeypatch.setattr(module, "dequantize", lambda payload, spec: payload.to(spec.dtype))
+
+
+def eager_reference(model):
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    return ref
+
+
+KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def test_partial_rotary_keeps_qkv():
+    """Phi rotates part of each head: Q, K, V are kept, as under attention="recompute"."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, **KW)).train()
+    patch_activations(model, preset="lean")
+    loss = model(**full_batch()).loss
+    assert "_ProjectedAttentionBackward" not in nodes(loss)
+    loss.backward()
+
+
+def test_interleaved_rotary_first_met_on_one_token_is_not_trusted(exact_codes):
+    """Cohere rotates interleaved pairs: a first call of one token (position 0: no rotation)
+    proves nothing, so the check waits for a call that rotates, fails there, and keeps Q, K, V."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    base = tf.CohereForCausalLM(tf.CohereConfig(**KW)).train()
+    want = grads(eager_reference(base), full_batch())
+    model = copy.deepcopy(base)
+    patch_activations(model, preset="lean")
+    grads(model, full_batch(length=1))
+    with pytest.warns(UserWarning, match="not its projections"):
+        got = grads(model, full_batch())
+    assert rel(got, want) < 1e-5
+
+
+def test_an_input_changed_in_place_after_coding_is_not_read_from_its_code(exact_codes):
+    """A pre-hook added after patching scales the attention's and the MLP's input in place:
+    their codes no longer stand for it, so attention and the MLP keep the changed input."""
+    base = tiny_llama().train()
+
+    def scale(module, args, kwargs):
+        with torch.no_grad():
+            (args[0] if args else kwargs["hidden_states"]).mul_(1.5)
+
+    ref = eager_reference(base)
+    model = copy.deepcopy(base)
+    patch_activations(model, preset="lean")
+    for m in (ref, model):
+        for layer in m.model.layers:
+            layer.self_attn.register_forward_pre_hook(scale, with_kwargs=True)
+            layer.mlp.gate_proj.register_forward_pre_hook(scale, with_kwargs=True)
+    assert rel(grads(model, full_batch()), grads(ref, full_batch())) < 1e-5
+
+
+def test_autocast_keeps_the_rotated_qkv(exact_codes):
+    """Under autocast the forward casts around the rotation: Q, K, V are kept, and the coded path
+    stays on for the float32 calls before and after."""
+    base = tiny_llama().train()
+    ref = copy.deepcopy(base)
+    patch_activations(ref, attention="recompute", mlp="stored", rmsnorm="stored",
+                      lm_loss="stored", dropout="stored")  # keeps Q, K, V
+    model = copy.deepcopy(base)
+    patch_activations(model, attention="coded", mlp="stored", rmsnorm="stored",
+                      lm_loss="stored", dropout="stored")
+    for autocast in (False, True, False):
+        got = []
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = m(**full_batch()).loss
+            if m is model:
+                assert ("_ProjectedAttentionBackward" in nodes(loss)) is not autocast
+            loss.backward()
+            got.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        assert rel(got[1], got[0]) < 1e-5

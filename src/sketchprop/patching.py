@@ -24,6 +24,7 @@ from torch import nn
 from . import activations as act
 from .activations.attention import _attention_keeps_no_probabilities, _attention_owner, _attention_refusal
 from .activations.mlp import forget_mlp_check
+from .activations.norms import KEPT
 from .allocation import ALLOCATIONS, VarianceAllocation
 from .layers import (
     CONTEXT_ATTRIBUTE,
@@ -585,6 +586,7 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     for module, forward in state["forwards"].values():
         restore_forward(module, forward)
         forget_mlp_check(module)
+        module.__dict__.pop(KEPT, None)  # a coded RMSNorm's cached columns
     if state["attention"] is not None:
         owner = _attention_owner(model)
         owner.set_attn_implementation(state["attention"])

@@ -227,7 +227,7 @@ def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
     copy), for this call and thread only, for :func:`recompute_attention` to save in place of
     Q, K and V."""
-    _inputs().setdefault(id(module), []).append((_own_input(args, kwargs), None, None))
+    _inputs().setdefault(id(module), []).append((_own_input(args, kwargs), None, None, 0))
 
 
 def _own_input(args: tuple, kwargs: dict) -> Tensor | None:
@@ -275,10 +275,13 @@ class CodeAttentionInput:
         else:
             x, rope = _own_rope_input(module, args, kwargs)
         code = None
+        # Float32 (float64 too where the block is BERT's, as its coded LayerNorm): a rotary
+        # block's norm and MLP code float32 only.
         if x is not None and module.training and torch.is_grad_enabled() \
-                and x.dtype in (torch.float32, torch.float64):
+                and x.dtype in ((torch.float32,) if rope else (torch.float32, torch.float64)):
             code = code_of(x) or make_code(x, self.bits, self.group, self.seeds.next())
-        _inputs().setdefault(id(module), []).append((x, code, rope))
+        # The input's version now: a later hook that changes it in place leaves the code stale.
+        _inputs().setdefault(id(module), []).append((x, code, rope, getattr(x, "_version", 0)))
 
 
 @eager_island
@@ -293,8 +296,13 @@ def drop_attention_input(module: nn.Module, args: tuple, kwargs: dict, output) -
 
 
 def _attention_input(module: nn.Module) -> tuple[Tensor | None, SharedCode | None, tuple | None]:
+    """The call's input, its code (None where there is none, or where the input changed in place
+    since it was coded) and its rotary ``(cos, sin)`` (None: not a rotary block)."""
     stack = _inputs().get(id(module))
-    return stack[-1] if stack else (None, None, None)
+    if not stack:
+        return None, None, None
+    x, code, rope, version = stack[-1]
+    return x, None if x is None or x._version != version else code, rope
 
 
 def forget_attention_check(module: nn.Module) -> None:
@@ -325,12 +333,20 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
     if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
             or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
         return None
+    if rope is not None and (rope[0].shape[-1] != query.shape[-1]
+                             or torch.is_autocast_enabled(x.device.type)):
+        # Rotary on part of each head (Phi), or autocast's casts around the rotation: Q, K, V kept
+        return None
     if _CHECKED not in module.__dict__ or _hooked(module):
         with torch.no_grad():
             same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1], rope if i < 2 else None),
                                    t)
                        for i, ((w, b), t) in enumerate(zip(pairs, (query, key, value),
                                                            strict=True)))
+        # A rotation that moves nothing (one token at position 0: sin = 0) proves nothing about
+        # the rotary form (interleaved pairs, Cohere's, would pass): checked again next call.
+        if same and rope is not None and not bool(rope[1].ne(0).any()):
+            return x, tuple(pairs), code, rope
         module.__dict__[_CHECKED] = same
         if not same:
             warnings.warn(f"{type(module).__name__}'s Q, K, V are not its projections of its "

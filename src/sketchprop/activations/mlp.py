@@ -238,12 +238,16 @@ def forget_mlp_check(module: nn.Module) -> None:
 
 
 @eager_island
-def gated_mlp_input_forward(self: nn.Module, x: Tensor, code: SharedCode | None = None) -> Tensor:
+def gated_mlp_input_forward(self: nn.Module, x: Tensor, code: SharedCode | None = None,
+                            version: int = 0) -> Tensor:
     """The forward of ``mlp="input"``: the gated MLP keeps its input only, and backward computes
     the gate and up projections again (two more matmuls of the MLP's width per token); where they
-    cannot be made again bit for bit, :func:`gated_mlp_forward`'s. With ``code`` (a code of ``x``:
-    :class:`CodedGatedMLP`), it keeps the code and backward computes them from the decoded input."""
+    cannot be made again bit for bit, :func:`gated_mlp_forward`'s. With ``code`` (a code of ``x``
+    at its ``version``: :class:`CodedGatedMLP`), it keeps the code and backward computes them from
+    the decoded input, unless ``x`` changed in place since (a hook on a projection): then ``x``."""
     g, u = self.gate_proj(x), self.up_proj(x)
+    if code is not None and x._version != version:
+        code = None
     if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
         return _gated_rest(self, g, u)
     plans = (_projection_plan(self.gate_proj), _projection_plan(self.up_proj))
@@ -272,7 +276,7 @@ class CodedGatedMLP:
         if not (mlp.training and torch.is_grad_enabled() and x.dtype == torch.float32):
             return gated_mlp_forward(mlp, x)
         code = code_of(x) or make_code(x, self.bits, self.group, self.seeds.next())
-        return gated_mlp_input_forward(mlp, x, code)
+        return gated_mlp_input_forward(mlp, x, code, x._version)
 
 
 def _gated_rest(self: nn.Module, g: Tensor, u: Tensor) -> Tensor:

@@ -24,7 +24,9 @@ input's first two terms are linear in ``x~``: unbiased. The input's last term,
 ``Var(e_i / gamma_i) / n`` (``e`` the rounding error of ``y``, ``n`` the width) times that
 element's own first term, ``gamma_i dY_i / std``; measured on real activations by
 ``scripts/lean_check.py``. A column with a small ``gamma`` divides its rounding error by it: those
-below the floor above keep their input, as in ``"output"``.
+below the floor above keep their input, as in ``"output"``, and so do those whose ``|gamma|`` is
+below a tenth of the largest in their group of columns (the code's step is set by the group's
+largest output; on MiniLM these are the same columns).
 
 **RMSNorm** (``rmsnorm="compact"``, :class:`RMSNormFunction`): keeps its input and one float32
 statistic per row (``1 / rms``); backward makes the normalised input again. Exact. Applied to
@@ -37,8 +39,9 @@ and the attention's recompute after ``input_layernorm``; gate and up and the gat
 after ``post_attention_layernorm``), with ``1 / rms`` per row, and backward makes the normalised
 input again as ``y~ / weight``. The weight's gradient is linear in the code: unbiased; the input's
 last term, ``n~_i mean_j(dn_j n~_j)``, is quadratic: a bias of ``Var(e / w) / n`` of the element's
-first term, as LayerNorm's. Columns with ``|weight| < 0.01`` keep their input. Float32 only (a half
-precision model keeps the compact path).
+first term, as LayerNorm's. Columns with ``|weight| < 0.01``, or below a tenth of the largest
+``|weight|`` in their group of columns, keep their input.
+Float32 only (a half precision model keeps the compact path).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..codes import SharedCode, file_code
@@ -60,6 +64,8 @@ LAYERNORM = ("stored", "output", "coded")
 # A column whose |gamma| is below this times (1 + |beta|) keeps its input: dividing by it would
 # lose float32 accuracy (the error of x^ grows as |beta| / |gamma| times float32's epsilon).
 _GAMMA_FLOOR = 1e-2
+# Coded, a column whose |gamma| is below this times the largest in its group keeps its input too.
+_GROUP_FLOOR = 0.1
 
 
 def _backward_from_output(ctx, dy, y, rstd, weight, bias, kept, cols, mean):
@@ -82,20 +88,34 @@ def _backward_from_output(ctx, dy, y, rstd, weight, bias, kept, cols, mean):
     return None if dx is None else dx.mul_(rstd), dw, db
 
 
-def _kept_columns(module: nn.Module, bias: Tensor | None) -> Tensor | None:
-    """Indices of the columns of ``module``'s norm that keep their input (None: none), computed
-    again only when ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
+#: Where a norm's kept columns are cached (in the module's ``__dict__``; unpatching drops it).
+KEPT = "_sketchprop_kept_columns"
+
+
+def _kept_columns(module: nn.Module, bias: Tensor | None,
+                  group: int | None = None) -> Tensor | None:
+    """Indices of the columns of ``module``'s norm that keep their input (None: none): those below
+    the floor, and where the output is coded in groups of ``group`` columns, those whose
+    ``|weight|`` is below a tenth of the largest in their group. Computed again only when
+    ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
     weight = module.weight
     if weight is None:
         return None
     key = (weight.data_ptr(), weight._version, None if bias is None else
-           (bias.data_ptr(), bias._version))
-    cached = module.__dict__.get("_kept")
+           (bias.data_ptr(), bias._version), group)
+    cached = module.__dict__.get(KEPT)
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs()))
-            kept = (weight.abs() < floor).reshape(-1).nonzero().squeeze(1)
-        cached = module.__dict__["_kept"] = (key, kept if kept.numel() else None)
+            w = weight.abs().reshape(-1)
+            floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs().reshape(-1)))
+            small = w < floor
+            if group is not None:
+                # The code's step is set by its group's largest output; decoded and divided by a
+                # much smaller weight, it would grow by their ratio.
+                peak = F.pad(w, (0, -w.numel() % group)).view(-1, group).amax(1)
+                small |= w < _GROUP_FLOOR * peak.repeat_interleave(group)[:w.numel()]
+            kept = small.nonzero().squeeze(1)
+        cached = module.__dict__[KEPT] = (key, kept if kept.numel() else None)
     return cached[1]
 
 
@@ -191,6 +211,9 @@ class CodedLayerNorm(OutputLayerNorm):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bits={self.bits}, group={self.group}"
+
+    def _kept_columns(self) -> Tensor | None:
+        return _kept_columns(self, self.bias, self.group)
 
     def _normalize(self, x2: Tensor, weight, bias, kept, shape) -> Tensor:
         if not self.training:
@@ -332,7 +355,8 @@ class CodedRMSNorm:
             return type(module).forward(module, x)
         made: list = []
         y = _CodedRMSNormFunction.apply(x.reshape(-1, x.shape[-1]), module.weight,
-                                        _rms_eps(module), _kept_columns(module, None), self.bits,
+                                        _rms_eps(module), _kept_columns(module, None, self.group),
+                                        self.bits,
                                         self.group, self.seeds.next(), made).view(x.shape)
         file_code(y, made[0])
         return y
