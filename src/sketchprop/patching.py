@@ -355,7 +355,9 @@ def patch_activations(
             that attention keeps no probabilities, and recomputing would save at most its
             output and, in a padded batch, SDPA's per-layer float mask, for a second pass in
             backward. ``"coded"``: as ``"recompute"``, from a ``code_bits``-bit code of the block's
-            input (:class:`~sketchprop.activations.CodeAttentionInput`; not exact).
+            input (:class:`~sketchprop.activations.CodeAttentionInput`; not exact), Q and K
+            rotated again in a Llama-style block (applied there even where ``"recompute"`` is
+            left by default).
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
             :class:`~sketchprop.activations.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
