@@ -199,19 +199,20 @@ def test_a_shared_code_gives_the_linear_weight_gradient_of_its_decoded_rows(padd
                           rtol=1e-5, atol=1e-6)
 
 
-def test_lean_saves_fewer_bytes_than_compact_and_no_float_layernorm_output():
+def saved_bytes(model, inputs, preset: str, exclude=None) -> int:
+    """Bytes one training step of ``model`` (4-bit linear layers, ``preset``) saves for backward."""
     from sketchprop.measure import SavedTensorMeter
 
-    def saved(preset):
-        model = tiny_roberta().train()
-        patch_linear(model, sketch="exact", bits=4, exclude=None)
-        patch_activations(model, preset=preset)
-        with SavedTensorMeter(model) as meter:
-            loss = model(**full_batch()).loss
-        loss.backward()
-        return meter.bytes
+    patch_linear(model.train(), sketch="exact", bits=4, exclude=exclude)
+    patch_activations(model, preset=preset)
+    with SavedTensorMeter(model) as meter:
+        loss = model(**inputs).loss
+    loss.backward()
+    return meter.bytes
 
-    compact, lean = saved("compact"), saved("lean")
+
+def test_lean_saves_fewer_bytes_than_compact_and_no_float_layernorm_output():
+    compact, lean = (saved_bytes(tiny_roberta(), full_batch(), p) for p in ("compact", "lean"))
     # compact keeps 5 float32 LayerNorm outputs (4 x 16 x 32); lean keeps their 4-bit codes
     assert compact - lean >= 5 * 64 * 32 * 4 - 5 * 64 * 32
 

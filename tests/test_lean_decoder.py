@@ -9,11 +9,10 @@ import math
 import pytest
 import torch
 from test_decoder import VOCAB, tiny_llama
-from test_lean import z_scores
+from test_lean import saved_bytes, z_scores
 
 from sketchprop import patch_activations, patch_linear, unpatch_activations
 from sketchprop.activations import CodedRMSNorm, RMSNormFunction, attention, mlp, norms
-from sketchprop.measure import SavedTensorMeter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -226,16 +225,8 @@ def test_lean_llama_layers_share_the_rmsnorm_codes():
 
 
 def test_lean_llama_saves_fewer_bytes_than_compact():
-    def saved(preset):
-        model = tiny_llama().train()
-        patch_linear(model, sketch="exact", bits=4, exclude="lm_head")
-        patch_activations(model, preset=preset)
-        with SavedTensorMeter(model) as meter:
-            loss = model(**full_batch()).loss
-        loss.backward()
-        return meter.bytes
-
-    compact, lean = saved("compact"), saved("lean")
+    compact, lean = (saved_bytes(tiny_llama(), full_batch(), p, exclude="lm_head")
+                     for p in ("compact", "lean"))
     # compact keeps per layer two float32 RMSNorm inputs and the gate and up outputs (36 x 32 and
     # 36 x 48 each, twice); lean keeps none of them
     assert compact - lean >= 2 * (2 * 36 * 32 + 2 * 36 * 48) * 4 * 0.8
