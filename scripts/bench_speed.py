@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     p.add_argument("--group", type=int, default=DEFAULT_GROUP)
     p.add_argument("--gelu-shape", default="2048x3072")
     p.add_argument("--mask-shape", default="16x12x128x128")
+    p.add_argument("--norm-shape", default="2048x768", help="LayerNorm backward's rows x columns")
     p.add_argument("--codec-rounds", type=int, default=9)
     p.add_argument("--inner", type=int, default=5, help="codec calls per timed sample")
     p.add_argument("--eager-codecs", action="store_true",

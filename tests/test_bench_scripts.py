@@ -256,9 +256,22 @@ def test_bench_speed_quick(tmp_path):
     assert set(rows["ops"]) == {"dW product", "quantize", "dequantize", "quantize+dequantize",
                                 "copy input", "copy codes"}
     assert rows["ops"]["dW product"]["vs_dw"]["ratio"] == 1.0
+    norm = next(g for name, g in groups.items() if name.startswith("LayerNorm backward"))
+    assert set(norm["ops"]) == {"copy input", "backward from output", "native backward from input"}
     for g in groups.values():
         assert g["ops"]["copy input"]["vs_copy"]["ratio"] == 1.0 and not g["failed"]
         assert all(op["median_s"] > 0 for op in g["ops"].values())
+
+
+@pytest.mark.parametrize("bad, message", [(["--norm-shape", "2x3x4"], "ROWSxCOLUMNS"),
+                                          (["--gelu-shape", "64xa"], "positive integers"),
+                                          (["--rows", "half"], "--rows must name")])
+def test_bench_speed_bad_input_fails_before_work(tmp_path, bad, message):
+    proc = subprocess.run(py("bench_speed.py", "--quick", "--out-dir", str(tmp_path), *bad),
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_bench_speed_reports_a_failed_compile_and_skips_it_later():

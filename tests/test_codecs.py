@@ -9,7 +9,7 @@ import torch
 
 from sketchprop import compiling
 from sketchprop import quantize as q
-from sketchprop.activations import dropout, gelu
+from sketchprop.activations import dropout, gelu, norms
 from sketchprop.activations.seeds import dropout_apply
 
 pytestmark = pytest.mark.compile
@@ -75,6 +75,28 @@ def test_gelu_code_compiled_is_eager_but_for_rare_rounding_flips(approximate):
     assert flips <= n // 10**4, flips
     dy = torch.randn_like(x)
     assert_same(*both(gelu._backward, dy, want, *code.constants("cpu", "decode")))
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_layer_norm_backward_from_output_compiled_is_eager_and_native(kept):
+    """LayerNorm's backward from its output, compiled, gives the eager function's gradients and
+    the native backward's on the input, to float32 rounding (sums reassociated)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 96, generator=g) * 3 + 1
+    w, b = torch.randn(96, generator=g) * 0.5 + 1, torch.randn(96, generator=g)
+    dy = torch.randn(50, 96, generator=g)
+    y, mean, rstd = torch.native_layer_norm(x, (96,), w, b, 1e-5)
+    cols = idx = None
+    if kept:  # these columns make x^ from the input, not the output
+        idx = torch.tensor([0, 7, 95])
+        cols, w = x.index_select(-1, idx), w.index_fill(0, idx, 0.0)
+        y, mean, rstd = torch.native_layer_norm(x, (96,), w, b, 1e-5)
+    args = (dy, y, rstd, w, b, idx, cols, None if idx is None else mean, True, True, True)
+    got, want = both(norms._layer_norm_backward, *args)
+    native = torch.ops.aten.native_layer_norm_backward(dy, x, (96,), mean, rstd, w, b, [True] * 3)
+    for a, e, n in zip(got, want, native, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, n, rtol=1e-4, atol=1e-4)
 
 
 def test_a_new_shape_or_seed_reuses_the_kernels():

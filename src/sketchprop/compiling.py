@@ -19,8 +19,9 @@ are the eager model's (up to the float reassociation of the compiled parts in be
 step, seed or rank reuses the graphs.
 
 **Fused codecs.** Inside the islands, the codecs (quantize and pack, unpack and dequantize, the
-dropout mask, the GELU code and its decode) are each one function of tensors, with no Python
-branching on tensor values and random bits from :mod:`sketchprop.rng` keyed by a 0-d tensor:
+dropout mask, the GELU code and its decode, LayerNorm's backward from its output) are each one
+function of tensors, with no Python branching on tensor values and random bits from
+:mod:`sketchprop.rng` keyed by a 0-d tensor:
 :func:`fused` compiles each on its own (inductor: C++ on CPU, Triton on CUDA) into one loop
 that reads its input once, where eager would make a pass over memory per operation. Shapes are
 dynamic and keys are tensors, so a new step, batch shape or seed reuses the kernel; inductor's

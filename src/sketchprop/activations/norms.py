@@ -12,7 +12,9 @@ inputs), the input's bytes are saved; elsewhere the output takes the input's pla
 size. Columns whose ``|gamma| < 0.01 (1 + |beta|)`` (zero, or too small to divide by without
 losing float32 accuracy) keep their input columns instead; a half-precision input keeps the
 stored path (its output, in float32 under autocast, would be larger). Exact to float32
-rounding: the gradients are within 1e-5 (relative) of the stored path's.
+rounding: the gradients are within 1e-5 (relative) of the stored path's. Its backward (``x^`` made
+again, then the three gradients) is one fused function, one pass over the rows where the native
+backward given ``x^`` would need two more.
 
 **Coded** (:class:`CodedLayerNorm`, ``layernorm="coded"``, the lean preset): as ``"output"``,
 but the output is kept as a ``b``-bit code (groups of 64 columns by default, stochastic rounding:
@@ -53,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..codes import SharedCode, file_code
-from ..compiling import eager_island
+from ..compiling import eager_island, fused
 from ..quantize import DEFAULT_GROUP, check_bits, check_group, quantize
 from ..rng import SeedStream
 
@@ -68,24 +70,35 @@ _GAMMA_FLOOR = 1e-2
 _GROUP_FLOOR = 0.1
 
 
-def _backward_from_output(ctx, dy, y, rstd, weight, bias, kept, cols, mean):
-    """LayerNorm's ``(dx, dw, db)`` from its output ``y`` (2-D), ``1 / std`` per row and the
-    input columns listed in ``kept`` (with the row means)."""
-    if weight is None:
-        xhat = y if bias is None else y - bias
-    else:  # (y - beta) / gamma as y / gamma - beta / gamma: one new tensor, two passes
-        inverse = weight.reciprocal()
-        xhat = y * inverse
-        if bias is not None:
-            xhat.sub_(bias * inverse)
+@fused
+def _layer_norm_backward(dy: Tensor, y: Tensor, rstd: Tensor, weight: Tensor | None,
+                         bias: Tensor | None, kept: Tensor | None, cols: Tensor | None,
+                         mean: Tensor | None, need_dx: bool, need_dw: bool,
+                         need_db: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """LayerNorm's ``(dx, dw, db)`` from its output ``y`` (2-D), ``1 / std`` per row and the input
+    columns listed in ``kept`` (with the row means): one fused function
+    (:func:`~sketchprop.compiling.fused`), where the native backward would need ``x^`` made first
+    in passes of its own."""
+    xhat = y if bias is None else y - bias
+    if weight is not None:
+        xhat = xhat / weight
     if kept is not None:
-        xhat.index_copy_(-1, kept, (cols - mean).mul_(rstd))
-    need = ctx.needs_input_grad
-    # The native backward given x^ with mean 0 and 1 / std = 1 returns dX / rstd.
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy, xhat, (y.shape[-1],), torch.zeros_like(rstd), torch.ones_like(rstd), weight, bias,
-        [need[0], need[1] and weight is not None, need[2] and bias is not None])
-    return None if dx is None else dx.mul_(rstd), dw, db
+        xhat = xhat.index_copy(-1, kept, (cols - mean) * rstd)
+    g = dy if weight is None else dy * weight
+    dx = dw = db = None
+    if need_dx:
+        dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
+    if need_dw and weight is not None:
+        dw = (dy * xhat).sum(0)
+    if need_db and bias is not None:
+        db = dy.sum(0)
+    return dx, dw, db
+
+
+def _backward_from_output(ctx, dy, y, rstd, weight, bias, kept, cols, mean):
+    """:func:`_layer_norm_backward` for the gradients ``ctx`` needs."""
+    return _layer_norm_backward(dy, y, rstd, weight, bias, kept, cols, mean,
+                                *ctx.needs_input_grad[:3])
 
 
 #: Where a norm's kept columns are cached (in the module's ``__dict__``; unpatching drops it).

@@ -45,6 +45,9 @@ with its baseline in rounds of its own, at each thread count:
 - The seeded dropout mask regenerated from its seed (``activations.seeds.keep_mask``, p 0.1) on a
   ``--mask-shape`` (16 x 12 x 128 x 128: roberta-base's attention probabilities) tensor, beside a
   copy of a float tensor of that shape.
+- LayerNorm's backward from its output (``activations.norms._layer_norm_backward``: ``x^`` made
+  from the output, then ``dx``, ``dw``, ``db``) on a ``--norm-shape`` (16*128 x 768) input,
+  beside a copy of the output and the native backward from the input (the stored path's kernel).
 
 Each codec is one fused function, compiled where a compiler works
 (:func:`sketchprop.compiling.fused`); ``--eager-codecs`` also times each eagerly
@@ -64,7 +67,7 @@ from types import SimpleNamespace
 import torch
 
 from sketchprop import quantize as q
-from sketchprop.activations import gelu
+from sketchprop.activations import gelu, norms
 from sketchprop.activations.gelu import GeluCode
 from sketchprop.activations.seeds import keep_mask
 from sketchprop.compiling import eager_codecs
@@ -123,14 +126,16 @@ def run(args) -> None:
     methods = method_list(args)
     if not {"exact", "exact-skip"} <= {m["name"] for m in methods}:
         raise BadArgs("--methods must include exact and exact-skip (the baselines)")
-    for text in (args.gelu_shape, args.mask_shape):
+    for text in (args.gelu_shape, args.mask_shape, args.norm_shape):
         shape_of(text)
+    if len(shape_of(args.norm_shape)) != 2:
+        raise BadArgs(f"--norm-shape is ROWSxCOLUMNS, got {args.norm_shape!r}")
     if min(args.rounds, args.codec_rounds, args.inner, args.every) < 1 or args.warmup < 0:
         raise BadArgs("--rounds, --codec-rounds, --inner and --every must be >= 1, --warmup >= 0")
     if args.quick:
         args.rounds, args.codec_rounds, args.inner = min(args.rounds, 2), min(args.codec_rounds, 3), 1
         args.codec_rows, args.codec_cols, args.out_features = 37, 256, 64
-        args.gelu_shape, args.mask_shape = "64x256", "2x4x32x32"
+        args.gelu_shape, args.mask_shape, args.norm_shape = "64x256", "2x4x32x32", "64x96"
     quiet_deprecations()
     dev = setup_device(args.device, threads[0])
     env = environment(dev)
@@ -359,10 +364,20 @@ def codec_groups(args, dev, dtype) -> dict[str, tuple[str, dict]]:
     m = randn(*mshape).float()
     mask = {"copy input": lambda: torch.empty_like(m).copy_(m),
             "regenerate mask": lambda: keep_mask(mshape, 0.1, 1, dev)}
+    n_rows, n = shape_of(args.norm_shape)
+    xn, w, b = randn(n_rows, n), randn(n) + 1, randn(n)
+    y, mean, rstd = torch.native_layer_norm(xn, (n,), w, b, 1e-5)
+    dyn = randn(n_rows, n)
+    norm = {"copy input": lambda: torch.empty_like(y).copy_(y),
+            "backward from output": lambda: norms._layer_norm_backward(
+                dyn, y, rstd, w, b, None, None, None, True, True, True),
+            "native backward from input": lambda: torch.ops.aten.native_layer_norm_backward(
+                dyn, xn, (n,), mean, rstd, w, b, [True] * 3)}
     return {
         f"int{bits} rows {args.codec_rows}x{args.codec_cols}": ("dW product", rows),
         f"GELU 2-bit code {args.gelu_shape}": ("copy input", gelu_ops),
         f"dropout mask {args.mask_shape} (float32 copy)": ("copy input", mask),
+        f"LayerNorm backward {args.norm_shape}": ("copy input", norm),
     }
 
 
@@ -383,7 +398,7 @@ def codec_rounds(args, dev, dtype, threads: int) -> dict:
     for gname, (base, fns) in codec_groups(args, dev, dtype).items():
         failed = {}
         for name, fn in list(fns.items()):
-            if name.startswith("copy") or name == "dW product":
+            if name.startswith(("copy", "native")) or name == "dW product":
                 continue
             try:
                 warm_compiled(fn)  # the fused functions compile at their first calls
