@@ -142,8 +142,8 @@ bits-cpu: install  ## b-bit stored rows on this CPU: CoLA exact + 4/2/8 bits, 4 
 	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4 activations=compact train.seed=4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=sst2,stsb method=exact scheme=ours method.bits=4 activations=stored,compact train.seed=1,2,3 $(ARGS)
 
-lean-cpu: install  ## the lean preset on this CPU: CoLA 4 bits + lean, 5 seeds (paired with bits-cpu's exact and 4 bits + compact); SST-2, STS-B, 3 seeds (data/glue)
-	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4 activations=lean train.seed=1,2,3,4,5 $(ARGS)
+lean-cpu: install  ## the lean preset on this CPU: CoLA 4 bits + lean with scales over 64 and 128 columns, 5 seeds (paired with bits-cpu's exact and 4 bits + compact); SST-2, STS-B, 3 seeds (data/glue)
+	$(TRAIN) -m experiment=table4_cpu method=exact scheme=ours method.bits=4 method.group=64,128 activations=lean train.seed=1,2,3,4,5 $(ARGS)
 	$(TRAIN) -m experiment=table2_cpu task=sst2,stsb method=exact scheme=ours method.bits=4 activations=lean train.seed=1,2,3 $(ARGS)
 
 lora-cpu: install  ## LoRA on this CPU: its learning rate on CoLA (3 rates, seed 1), then LoRA and LoRA + REC 0.1, 3 seeds (data/glue)

@@ -509,6 +509,33 @@ def test_compact_and_lora_runs_get_their_rows_and_pairs(tmp_path):
            "32.00 ± 1.00 (n=3) | 3 | 1, 2, 3 | +0.00 / +1.00 / +2.00 | +1.00 | 0.58 |" in lora
 
 
+def test_scales_over_other_groups_get_their_own_rows_and_pairs(tmp_path):
+    """Lean with scales over 128 columns (``method.group=128``) is a method of its own, never pooled
+    with the default groups of 64: paired with exact and with lean at 64."""
+    lean = dict(common.LEAN)
+    runs = []
+    for seed, (exact, g64, g128) in {1: (50, 49, 47), 2: (52, 53, 50), 3: (57, 55, 55)}.items():
+        runs.append(fake_run("cola", "exact", 1.0, seed, exact, 100))
+        for group, value in ((64, g64), (128, g128)):
+            run = fake_run("cola", "exact", 1.0, seed, value, 100)
+            run["identity"]["method"].update(bits=4, group=group)
+            run["identity"]["activations"] = lean
+            runs.append(run)
+    assert [common.scheme(r) for r in runs[:3]] == ["-", "int4+lean", "int4g128+lean"]
+    for r in runs:
+        r["recipe"] = sp_runs.recipe_hash(r["identity"])
+        path = tmp_path / "runs" / "minilm_cpu" / "cola" / f"{sp_runs.run_stem(r['identity'])}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r))
+    build(tmp_path)
+    rows = comparison_rows(tmp_path)
+    # 47, 50, 55 against exact's 50, 52, 57: -3, -2, -2; against lean at 64's 49, 53, 55: -2, -3, 0.
+    assert rows[("exact (int4g128+lean)", "exact")][:4] == ["3", "1, 2, 3",
+                                                         "-3.00 / -2.00 / -2.00", "-2.33"]
+    assert rows[("exact (int4g128+lean)", "exact (int4+lean)")][3] == "-1.67"
+    assert rows[("exact (int4+lean)", "exact")][3] == "-0.67"
+
+
 def test_frontier_points_pairs_and_fronts(tmp_path):
     """sketchprop.report.frontier: bytes from the CoLA-256 memory point, scores paired by seed with exact,
     step ratios from the roberta-base benchmark; the fronts follow the numbers, and a configuration

@@ -32,7 +32,8 @@ and ``ckpt+ours+compact`` (the same on ours, and on checkpointing + ours); ``int
 ``b``-bit codes with bfloat16 group ends, as ``method=exact method.bits=b``), ``int<b>+compact``
 and ``int<b>+ckpt`` (the same with compact activations, and with checkpointing), ``int4+lean``
 (``int4`` with ``patch_activations(preset="lean")``: LayerNorm outputs and attention inputs kept
-once, as the linear layers' 4-bit codes); ``lora``,
+once, as the linear layers' 4-bit codes), ``int4g128+lean`` (the same with scales over groups of
+128 columns, as ``method.group=128``, the default being 64); ``lora``,
 ``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
 pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
 the adapters' ``lora_A`` inputs), whose peak holds gradients and AdamW state only for the adapters
@@ -60,6 +61,7 @@ import copy
 import gc
 import json
 import random
+import re
 import time
 from pathlib import Path
 
@@ -91,7 +93,7 @@ MAX_LENGTH = 512  # the authors' max length; batches are padded to their longest
 # kept as b-bit codes, as the pipeline's ``method=exact method.bits=<b>``), with compact
 # activations and with checkpointing.
 BITS_KINDS = (*(f"int{b}{extra}" for extra in ("", "+compact", "+ckpt") for b in (8, 4, 2)),
-              "int4+lean")
+              "int4+lean", "int4g128+lean")
 METHOD_KINDS = ("exact", "exact-skip", "ckpt", "compact", "paper", "ours", "ckpt+ours", "ours+compact",
                 "ckpt+ours+compact", "lora", "lora+ckpt", "lora+ours", "lora+ours+compact",
                 *BITS_KINDS)
@@ -139,20 +141,27 @@ def methods(sketch: str, kinds=METHOD_KINDS) -> dict[str, dict]:
             method["activations"] = dict(COMPACT)
         if "lean" in name.partition("@")[0].split("+"):
             method["activations"] = dict(LEAN)
+            group = (method["patch"] or {}).get("group")
+            if group is not None:  # the lean codes at the rows' group, so that they are shared
+                method["activations"]["code_group"] = group
         if name.startswith("lora"):
             method["lora"] = dict(lora)
     return out
 
 
 def single_patch(kind: str) -> dict | None:
-    """``patch_linear`` keywords of ``exact-skip`` and the ``int<b>...`` kinds (None for the other
-    single kinds)."""
+    """``patch_linear`` keywords of ``exact-skip`` and the ``int<b>[g<group>]...`` kinds (None for
+    the other single kinds)."""
     base = kind.split("+")[0]
     if base == "exact-skip":
         return dict(sketch="exact", rho=1.0, exclude="classifier")
-    if not base.startswith("int"):
+    coded = re.fullmatch(r"int(\d)(?:g(\d+))?", base)
+    if coded is None:
         return None
-    return dict(sketch="exact", rho=1.0, exclude="classifier", bits=int(base[3:]))
+    patch = dict(sketch="exact", rho=1.0, exclude="classifier", bits=int(coded[1]))
+    if coded[2]:
+        patch["group"] = int(coded[2])
+    return patch
 
 
 def lora_keys() -> dict:

@@ -28,6 +28,8 @@ from typing import NamedTuple
 from omegaconf import OmegaConf
 from scipy import stats
 
+from ..quantize import DEFAULT_GROUP
+
 # The checkout (src/sketchprop/report/ is three levels down), as sketchprop.glue.config.REPO_ROOT:
 # read here so that the reports need no pipeline (hydra) to run.
 ROOT = Path(__file__).resolve().parents[3]
@@ -133,7 +135,8 @@ def scheme(run: dict) -> str:
     checkpointing, ``+compact`` with compact activations (``activations=compact``; other
     settings than :data:`COMPACT` are named: ``+compact(gelu_bits=3,gelu_code=optimal)``),
     ``+lean`` with the lean preset (``activations=lean``, named the same way), ``+int4`` for rows
-    stored as 4-bit codes (``method.bits=4``), and ``lora+`` in front for a
+    stored as 4-bit codes (``method.bits=4``; ``int4g128`` with scales over groups of 128
+    columns, ``method.group=128``, where the default is 64), and ``lora+`` in front for a
     LoRA adapter. The exact model's layout is ``-`` alone, else these
     parts joined: ``lora+ckpt``."""
     ident = run.get("identity", {})
@@ -144,9 +147,9 @@ def scheme(run: dict) -> str:
                      else "paper")
         if method.get("allocate", "uniform") == "variance":
             parts.append("alloc")
-    bits = ident.get("method", {}).get("bits")
-    if bits is not None:  # stored rows as b-bit codes (method.bits)
-        parts.append(f"int{bits}")
+    bits, group = (ident.get("method", {}).get(k) for k in ("bits", "group"))
+    if bits is not None:  # stored rows as b-bit codes (method.bits), over groups of method.group
+        parts.append(f"int{bits}" if group in (None, DEFAULT_GROUP) else f"int{bits}g{group}")
     if ident.get("train", {}).get("gradient_checkpointing", False):
         parts.append("ckpt")
     # runs.identity leaves the activations out at their neutral (stored) value.

@@ -67,6 +67,9 @@ COMPARISONS = [
     # 4 bits + compact, whose float LayerNorm outputs it keeps as the linear layers' codes.
     *[(task, key_of("exact", "int4+lean"), EXACT) for task in ("cola", "sst2", "stsb")],
     ("cola", key_of("exact", "int4+lean"), key_of("exact", "int4+compact")),
+    # Scales over groups of 128 columns (method.group=128): fewer bytes on full-length rows.
+    ("cola", key_of("exact", "int4g128+lean"), EXACT),
+    ("cola", key_of("exact", "int4g128+lean"), key_of("exact", "int4+lean")),
 ]
 
 

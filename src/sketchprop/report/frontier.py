@@ -93,6 +93,8 @@ def configs() -> list[Config]:
                       key_of("exact", "int4+compact"), ("int4+compact", None), "int4+compact"))
     out.append(Config("int4 + lean", "minilm_cpu", key_of("exact", "int4+lean"),
                       ("int4+lean", None), "int4+lean"))
+    out.append(Config("int4 + lean, scales over 128 columns", "minilm_cpu",
+                      key_of("exact", "int4g128+lean"), ("int4g128+lean", None), "int4g128+lean"))
     for rho in ("0.5", "0.2", "0.1"):
         r = float(rho)
         out.append(Config(f"blocksrht (ours) {rho}", "minilm_cpu", key_of("blocksrht", "ours", r),
