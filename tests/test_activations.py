@@ -384,6 +384,32 @@ def test_checkpointing_recomputes_the_same_masks(reentrant):
     assert_same_grads(grads(model, b), plain)
 
 
+SECOND_ORDER = {
+    "sketch": lambda m: patch_linear(m, sketch="gaussian", rho=0.5),
+    "bits": lambda m: patch_linear(m, sketch="exact", bits=4),
+    "compact": lambda m: patch_activations(m),
+    "packed dropout": lambda m: patch_activations(m, dropout="packed"),
+    "layernorm output": lambda m: patch_activations(m, layernorm="output"),
+    "lean": lambda m: (patch_linear(m, sketch="exact", bits=4),
+                       patch_activations(m, preset="lean")),
+}
+
+
+@pytest.mark.parametrize("name", SECOND_ORDER)
+def test_a_second_derivative_is_refused_not_wrong(name):
+    """Backward of these parts reads what forward kept (sketches, codes, outputs), which carries no
+    graph: differentiated again (a gradient penalty, ``create_graph=True``) it would miss terms.
+    It raises instead, naming the reason; a first derivative with ``create_graph`` is fine."""
+    model = tiny_bert(dropout=0.1)
+    SECOND_ORDER[name](model)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = torch.autograd.grad(model(**batch()).loss, params, create_graph=True)
+    penalty = sum(g.square().sum() for g in first)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        penalty.backward()
+
+
 # ---------------------------------------------------------------------------------------------
 # Surgery: reversible, composable, checked before it changes anything.
 

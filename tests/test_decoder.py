@@ -61,6 +61,22 @@ def batch(n=3, length=12):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+@pytest.mark.parametrize("preset", ["compact", "lean"])
+def test_a_second_derivative_of_a_decoder_is_refused_not_wrong(preset):
+    """RMSNorm, the gated MLP, the chunked LM loss (compact) and the coded parts (lean) keep no
+    graph of what backward reads: a gradient of a gradient raises (tests/test_activations.py says
+    why)."""
+    model = tiny_llama()
+    if preset == "lean":
+        patch_linear(model, sketch="exact", bits=4)
+    patch_activations(model, preset=preset)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = torch.autograd.grad(model(**batch()).loss, params, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum(g.square().sum() for g in first).backward()
+
+
 def loss_and_grads(model, b, checkpointing=None):
     model.train()
     model.zero_grad(set_to_none=True)

@@ -20,19 +20,45 @@ backward, while backward keeps the *original* context: a recomputed forward draw
 forms a fresh ``S'^T X``, and only a seed saved as a tensor is replaced along with it. Backward then
 pairs ``S'^T X`` with ``S'^T dY``, an unbiased estimate as before; a seed kept on the context would
 pair ``S'^T X`` with ``S^T dY``, whose expectation is zero for independent ``S`` and ``S'``.
+
+What backward reads (the sketch, codes, a layer's output) was made without a graph, so a gradient of
+a gradient through it (``create_graph=True``: a gradient penalty, meta-learning) would miss terms.
+:func:`first_order` marks the backward of this Function and of every Function of
+:mod:`sketchprop.activations`: differentiated again, its gradients raise.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .compiling import eager_island
 from .quantize import dequantize
 from .sketches import ImportancePlan, Sketch
 
-__all__ = ["SketchedLinearFunction", "seed_tensor", "sketched_linear"]
+__all__ = ["SketchedLinearFunction", "first_order", "seed_tensor", "sketched_linear"]
+
+
+def first_order(backward):
+    """``backward`` of an autograd Function whose saved tensors carry no graph, made to refuse a
+    second derivative: under ``create_graph=True`` its gradients come out with a node that raises
+    ("trying to differentiate twice ...") when they are differentiated again. torch's
+    ``once_differentiable`` alone marks them only where the incoming gradients carry a graph;
+    where they do not (the first Function backward meets, a loss), the gradients would come out
+    as constants and a second derivative would silently miss their terms."""
+    inner = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
+            grads = tuple(g.detach().requires_grad_() if isinstance(g, Tensor) and
+                          g.is_floating_point() and not g.requires_grad else g for g in grads)
+        return inner(ctx, *grads)
+    return wrapper
 
 
 class SketchedLinearFunction(torch.autograd.Function):
@@ -75,6 +101,7 @@ class SketchedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         weight, sx, rows, tstate, seed, index, scale, ntop, qvar = ctx.saved_tensors
         seed = 0 if seed is None else int(seed)

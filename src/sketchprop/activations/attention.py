@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
-from ..functional import seed_tensor
+from ..functional import first_order, seed_tensor
 from ..rng import SeedStream
 from .projections import _linear_weights, forward_hooks_on
 from .seeds import _draw_seed, _drop_threshold, keep_mask
@@ -121,6 +121,7 @@ class _RecomputedAttention(torch.autograd.Function):
         return _attend(q, k, v, mask, scaling, p, int(seed))
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         q, k, v, mask, seed = ctx.saved_tensors
         return *_attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed)), *[None] * 4
@@ -162,6 +163,7 @@ class _ProjectedAttention(torch.autograd.Function):
         return _attend(q, k, v, mask, scaling, p, int(seed))
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         mask, seed, x, cos, sin, *weights = ctx.saved_tensors
         if ctx.code is not None:

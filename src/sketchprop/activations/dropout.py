@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..compiling import eager_island, fused
+from ..functional import first_order
 from ..packing import pack_codes, unpack_codes
 from .seeds import _draw_seed, _drop_threshold, _keep, dropout_apply, key_of
 
@@ -28,6 +29,7 @@ class _SeededDropoutFunction(torch.autograd.Function):
         return dropout_apply(x, key_of(seed, x.device), ctx.dropped, ctx.scale)
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         (seed,) = ctx.saved_tensors
         return dropout_apply(dy, key_of(seed, dy.device), ctx.dropped, ctx.scale), None, None
@@ -54,6 +56,7 @@ class _PackedDropoutFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
         return _packed_backward(dy, packed, ctx.scale), None, None

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..compiling import eager_island, fused
-from ..functional import seed_tensor
+from ..functional import first_order, seed_tensor
 from ..packing import pack_codes, unpack_codes
 from ..rng import SeedStream, dither16
 from .seeds import _draw_seed
@@ -208,6 +208,7 @@ class _CompactGeluFunction(torch.autograd.Function):
         return F.gelu(x, approximate=approximate)
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         (packed,) = ctx.saved_tensors
         return _backward(dy, packed, *ctx.code.constants(dy.device, "decode")), None, None, None

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..compiling import eager_island
+from ..functional import first_order
 from ..wrappers import plain_class
 from .projections import _autocast_dtype
 
@@ -59,6 +60,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return total * scale
 
     @staticmethod
+    @first_order
     def backward(ctx, dloss: Tensor):
         h, weight, bias, target, lse = ctx.saved_tensors
         w = weight.to(ctx.dtype)

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
+from ..functional import first_order
 from ..rng import SeedStream
 from .projections import _autocast_dtype, _linear_weights, forward_hooks_on
 
@@ -54,6 +55,7 @@ class SiluProduct(torch.autograd.Function):
         return F.silu(g) * u
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         g, u = ctx.saved_tensors
         dg = torch.ops.aten.silu_backward(dy * u, g) if ctx.needs_input_grad[0] else None
@@ -77,6 +79,7 @@ class GatedDown(torch.autograd.Function):
             return F.linear(h, weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         g, u, weight = ctx.saved_tensors
         s = F.silu(g)
@@ -195,6 +198,7 @@ class GatedFromInput(torch.autograd.Function):
         return F.silu(g) * u
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         x = ctx.saved_tensors[0]  # unpacking checks that no saved weight changed in place
         if ctx.code is not None:

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from ..codes import SharedCode, file_code
 from ..compiling import eager_island, fused
+from ..functional import first_order
 from ..quantize import DEFAULT_GROUP, check_bits, check_group, quantize
 from ..rng import SeedStream
 
@@ -144,6 +145,7 @@ class _OutputLayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order
     def backward(ctx, dy):
         return *_backward_from_output(ctx, dy, *ctx.saved_tensors), None, None
 
@@ -166,6 +168,7 @@ class _CodedLayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order
     def backward(ctx, dy):
         payload, *rest = ctx.saved_tensors
         y = SharedCode(payload, ctx.spec).decode()
@@ -259,6 +262,7 @@ class RMSNormFunction(torch.autograd.Function):
         return weight * (xf * r).to(x.dtype)
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         x, weight, r = ctx.saved_tensors
         xf = x.to(torch.float32)
@@ -294,6 +298,7 @@ class _CodedRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order
     def backward(ctx, dy: Tensor):
         payload, weight, r, kept, cols = ctx.saved_tensors
         n = SharedCode(payload, ctx.spec).decode().mul_(weight.reciprocal())
