@@ -395,6 +395,7 @@ SECOND_ORDER = {
 }
 
 
+@pytest.mark.stack("second-order", "sketch", "bits", "compact", refused="differentiate twice")
 @pytest.mark.parametrize("name", SECOND_ORDER)
 def test_a_second_derivative_is_refused_not_wrong(name):
     """Backward of these parts reads what forward kept (sketches, codes, outputs), which carries no

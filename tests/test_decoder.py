@@ -61,6 +61,7 @@ def batch(n=3, length=12):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+@pytest.mark.stack("second-order", "decoders", refused="differentiate twice")
 @pytest.mark.parametrize("preset", ["compact", "lean"])
 def test_a_second_derivative_of_a_decoder_is_refused_not_wrong(preset):
     """RMSNorm, the gated MLP, the chunked LM loss (compact) and the coded parts (lean) keep no

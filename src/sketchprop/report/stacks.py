@@ -36,6 +36,7 @@ STACKS = {
     "ckpt-nonreentrant": "activation checkpointing, non-reentrant",
     "grad-accum": "gradient accumulation",
     "save-load": "`torch.save` / `torch.load`, `save_pretrained`",
+    "second-order": "a second derivative (`create_graph=True`: gradient penalty, meta-learning)",
 }
 #: Marker name -> column title.
 PATCHES = {
