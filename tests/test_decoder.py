@@ -4,6 +4,7 @@ against the unpatched model (checkpointing, autocast, LoRA), unbiased where code
 
 import contextlib
 import copy
+import importlib.util
 import logging
 
 import pytest
@@ -412,6 +413,45 @@ def test_round_trip(family):
     assert torch.equal(before[0], after[0])
     assert all(torch.equal(before[1][n], after[1][n]) for n in before[1])
     assert patch_activations(model) == names  # patchable again
+
+
+def saved_by_one_step(model, b):
+    with SavedTensorMeter(model) as meter:
+        loss = model(**b).loss
+    loss.backward()
+    return meter.bytes
+
+
+@pytest.mark.stack("hub-kernels", "bits", "decoders")
+def test_hub_kernels_never_silently_unpatch():
+    """transformers' hub kernels (from_pretrained turns them on from transformers 5.25) kernelize
+    again at each train()/eval() that changes mode, which puts each RMSNorm's own forward back over
+    the patched one. Patching turns them off, unpatching on again, and kernels turned on in
+    between are refused at the next forward. Linear layers, replaced as modules, are untouched."""
+    model = tiny_llama()
+    if not hasattr(model, "set_use_kernels") or importlib.util.find_spec("kernels") is None:
+        pytest.skip("this transformers has no hub kernels")
+    b = batch()
+    reference = tiny_llama()
+    patch_linear(reference, bits=4)
+    patch_activations(reference)
+    model.set_use_kernels(True)
+    model.eval()  # as from_pretrained returns it
+    before = model(**b).logits
+    patch_linear(model, bits=4)
+    patch_activations(model)
+    model.train()  # a new mode: kernelized again were the kernels still on
+    assert not model.use_kernels
+    assert saved_by_one_step(model, b) == saved_by_one_step(reference, b)
+    assert saved_by_one_step(model, b) < saved_by_one_step(tiny_llama(), b)
+    unpatch_activations(model)
+    unpatch_linear(model)
+    assert model.use_kernels
+    assert torch.equal(model.eval()(**b).logits, before)
+    patch_activations(model)
+    model.set_use_kernels(True)
+    with pytest.raises(RuntimeError, match="model.layers.0.input_layernorm was replaced .*hub kernels"):
+        model(**b)
 
 
 def test_deepcopy_of_a_patched_model_computes_with_its_own_modules():

@@ -39,7 +39,7 @@ from .quantize import BITS, DEFAULT_GROUP, check_bits, check_group
 from .sketches import get_sketch
 from .tracking import select_layers
 from .variance import VarianceTracker, estimator_design
-from .wrappers import _transformers_owner, bound, model_to_patch, override_forward, restore_forward
+from .wrappers import _transformers_owner, bound, give_forwards, model_to_patch, take_forwards
 
 __all__ = ["DEFAULT_EXCLUDE", "LM_LOSS", "MLP", "PARTS_OFF", "PRESETS", "RMSNORM", "patch_linear",
            "unpatch_linear", "find_linear", "patch_activations", "unpatch_activations",
@@ -541,8 +541,7 @@ def patch_activations(
     new = {n: new[n] for n in order if n in new}
     state = {"modules": {n: model.get_submodule(n) for n in new}, "attention": None,
              "forwards": forwards, "names": sorted([*new, *forwards], key=order.index)}
-    for module, forward in forwards.values():
-        override_forward(module, forward)
+    state["given"] = give_forwards(model, forwards, "patch_activations")
     if applied.get("attention"):
         owner = _attention_owner(model)
         state["attention"] = owner.config._attn_implementation
@@ -585,10 +584,10 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     for name, original in state["modules"].items():  # the mode the model has now, not at patching
         original.train(model.get_submodule(name).training)
     _swap(model, state["modules"])
-    for module, forward in state["forwards"].values():
-        restore_forward(module, forward)
+    for module, _ in state["forwards"].values():
         forget_mlp_check(module)
         module.__dict__.pop(KEPT, None)  # a coded RMSNorm's cached columns
+    take_forwards(state["forwards"], state["given"])
     if state["attention"] is not None:
         owner = _attention_owner(model)
         owner.set_attn_implementation(state["attention"])

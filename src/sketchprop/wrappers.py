@@ -17,6 +17,13 @@ wrapping work, the model a patch call changes, and a clear refusal where an orde
   before changing anything; the rest of ``patch_activations`` (dropout, GELU, the gated MLP,
   RMSNorm, the loss, attention) replaces no parameters and works on a sharded model too.
 
+transformers' hub kernels (``use_kernels``; from transformers 5.25 ``from_pretrained`` turns them on)
+re-run ``kernelize`` at each ``train()``/``eval()`` that changes mode, which puts back each mapped
+module's own forward (Llama's RMSNorm, say) or the hub's over one given in place: patched memory
+silently unpatched. A patch that gives such a module a forward first turns the kernels off on the
+transformers models that hold it (:func:`hub_kernels_off`; the inverse turns them back on), and
+:class:`ForwardGuard` refuses to run a model whose given forwards were replaced anyway.
+
 torch.distributed is never imported here: a model wrapped by one of them has imported it, so the
 classes are looked up among the loaded modules (an absent one wraps nothing).
 """
@@ -27,6 +34,7 @@ import functools
 import sys
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 __all__ = ["model_to_patch", "plain_class"]
@@ -139,3 +147,63 @@ def restore_forward(module: nn.Module, forward: Callable) -> None:
     """Undo :func:`override_forward` where ``forward`` is still the module's own forward."""
     if module.__dict__.get("forward") is forward:
         del module.__dict__["forward"]
+
+
+# transformers' hub kernels, which replace forwards given in place.
+
+
+def hub_kernels_off(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+    """Turn transformers' hub kernels off (``reset_kernels``) on each transformers model in
+    ``model`` that has them on and holds one of ``modules`` whose class ``kernelize`` maps (a
+    ``kernel_layer_name``); return those models, for the inverse to turn them on again."""
+    mapped = {id(m) for m in modules if hasattr(type(m), "kernel_layer_name")}
+    owners = [m for m in model.modules() if getattr(m, "use_kernels", False) is True
+              and callable(getattr(m, "reset_kernels", None))
+              and any(id(sub) in mapped for sub in m.modules())]
+    for owner in owners:
+        owner.reset_kernels()
+    return owners
+
+
+class ForwardGuard:
+    """A forward pre-hook that refuses to run the model once a forward given in place
+    (:func:`override_forward`) is no longer the module's: replaced by transformers' hub kernels
+    (``kernelize``, or ``train()``/``eval()`` with ``use_kernels`` on), the module would run its own
+    forward and silently keep what the patch saves."""
+
+    def __init__(self, forwards: dict[str, tuple[nn.Module, Callable]], call: str):
+        self.forwards, self.call = forwards, call
+
+    def __call__(self, model: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():  # checked by the eager calls; no guard in the graph
+            return
+        for name, (module, forward) in self.forwards.items():
+            if module.__dict__.get("forward") is not forward:
+                raise RuntimeError(
+                    f"the forward {self.call} gave {name or type(module).__name__} was replaced "
+                    "(transformers' hub kernels do it: kernelize(), or train()/eval() while "
+                    f"use_kernels is on); un{self.call}(model), set_use_kernels(False) on the "
+                    f"transformers model, then {self.call} again")
+
+
+def give_forwards(model: nn.Module, forwards: dict[str, tuple[nn.Module, Callable]],
+                  call: str) -> dict:
+    """Give each module of ``forwards`` (name: (module, forward)) its forward in place
+    (:func:`override_forward`), hub kernels first turned off where they would replace it
+    (:func:`hub_kernels_off`), and guard ``model`` (:class:`ForwardGuard`). Returns what
+    :func:`take_forwards` undoes."""
+    owners = hub_kernels_off(model, [module for module, _ in forwards.values()])
+    for module, forward in forwards.values():
+        override_forward(module, forward)
+    return {"kernels": owners,
+            "guard": model.register_forward_pre_hook(ForwardGuard(forwards, call))}
+
+
+def take_forwards(forwards: dict[str, tuple[nn.Module, Callable]], given: dict) -> None:
+    """Undo :func:`give_forwards`: the modules' own forwards and the hub kernels back."""
+    given["guard"].remove()
+    for module, forward in forwards.values():
+        restore_forward(module, forward)
+    for owner in given["kernels"]:
+        owner.set_use_kernels(True)
+

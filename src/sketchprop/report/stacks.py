@@ -37,6 +37,7 @@ STACKS = {
     "grad-accum": "gradient accumulation",
     "save-load": "`torch.save` / `torch.load`, `save_pretrained`",
     "second-order": "a second derivative (`create_graph=True`: gradient penalty, meta-learning)",
+    "hub-kernels": "transformers' hub kernels (`use_kernels`, on after `from_pretrained` from 5.25)",
 }
 #: Marker name -> column title.
 PATCHES = {
