@@ -449,9 +449,12 @@ def test_hub_kernels_never_silently_unpatch():
     assert model.use_kernels
     assert torch.equal(model.eval()(**b).logits, before)
     patch_activations(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(**b)
     model.set_use_kernels(True)
-    with pytest.raises(RuntimeError, match="model.layers.0.input_layernorm was replaced .*hub kernels"):
-        model(**b)
+    for run in (model, compiled):  # compiled too: the guard is traced, a replaced forward retraces
+        with pytest.raises(RuntimeError, match="model.layers.0.input_layernorm was replaced .*hub kernels"):
+            run(**b)
 
 
 def test_deepcopy_of_a_patched_model_computes_with_its_own_modules():

@@ -34,7 +34,6 @@ import functools
 import sys
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 __all__ = ["model_to_patch", "plain_class"]
@@ -174,16 +173,17 @@ class ForwardGuard:
     def __init__(self, forwards: dict[str, tuple[nn.Module, Callable]], call: str):
         self.forwards, self.call = forwards, call
 
+    # Traced under torch.compile too: Dynamo guards on each module's forward, so a replaced one
+    # retraces and raises here (a compiled model never calls the hook eagerly).
     def __call__(self, model: nn.Module, args) -> None:
-        if torch.compiler.is_compiling():  # checked by the eager calls; no guard in the graph
-            return
         for name, (module, forward) in self.forwards.items():
             if module.__dict__.get("forward") is not forward:
                 raise RuntimeError(
                     f"the forward {self.call} gave {name or type(module).__name__} was replaced "
                     "(transformers' hub kernels do it: kernelize(), or train()/eval() while "
                     f"use_kernels is on); un{self.call}(model), set_use_kernels(False) on the "
-                    f"transformers model, then {self.call} again")
+                    "outermost transformers model (the one from_pretrained returned), then "
+                    f"{self.call} again")
 
 
 def give_forwards(model: nn.Module, forwards: dict[str, tuple[nn.Module, Callable]],
