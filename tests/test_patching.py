@@ -221,6 +221,25 @@ def test_skip_padding_exact_sketch_gives_exact_gradient_and_fewer_rows():
     assert _saved_bytes(model, data) < _saved_bytes(plain, data)
 
 
+@pytest.mark.parametrize("sketch", ["exact", "blocksrht"])
+def test_skip_padding_on_full_rows_takes_the_path_without_it(sketch):
+    """A batch with no padding row: skip_padding gathers nothing (no copy of X kept, none of dY
+    made), so bytes and gradients are those of skip_padding=False, bit for bit."""
+    data = batch()
+    data["attention_mask"] = torch.ones_like(data["attention_mask"])
+    data["input_ids"] = torch.randint(3, 64, data["input_ids"].shape,
+                                      generator=torch.Generator().manual_seed(1))
+    grads, nbytes = [], []
+    for skip in (True, False):
+        model = tiny_roberta()
+        patch_linear(model, sketch, 0.5, exclude="classifier", skip_padding=skip, min_rows=1)
+        nbytes.append(_saved_bytes(model, data))
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert nbytes[0] == nbytes[1]
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
 def test_skip_padding_sketch_covers_only_real_rows():
     model = tiny_roberta()
     data = batch()

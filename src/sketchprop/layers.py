@@ -64,10 +64,13 @@ class _Call:
     """One model call made with gradients: its padding rows and, under checkpointing, samples of
     what each layer saw (by layer name), by which a recomputation finds the call it redoes."""
 
-    __slots__ = ("shape", "rows", "samples", "claimed")
+    __slots__ = ("shape", "rows", "skip", "samples", "claimed")
 
     def __init__(self, shape: tuple[int, ...], rows: Tensor):
         self.shape, self.rows = shape, rows
+        # What the layers are given: None where no row is padding, so that a batch of full-length
+        # rows takes exact's path (no gather of X in forward nor of dY in backward).
+        self.skip = None if rows.shape[0] == math.prod(shape) else rows
         self.samples: dict[str, list[Tensor]] = {}
         self.claimed = False
 
@@ -152,7 +155,7 @@ class SketchContext:
 
     def rows_for(self, x: Tensor, name: str | None = None) -> Tensor | None:
         """The non-padding rows of the call that ``x`` (the input of layer ``name``) belongs to,
-        or None when ``x`` is not shaped as its mask."""
+        or None when ``x`` is not shaped as its mask or no row of its call is padding."""
         shape = tuple(x.shape[:-1])
         if torch._C._current_graph_task_id() != -1:  # in backward: a checkpoint's recomputation
             return self._recomputed_rows(x, shape, name)
@@ -161,7 +164,7 @@ class SketchContext:
             return None
         if name is not None and _checkpointed_pass():
             call.samples.setdefault(name, []).append(_sample(x))
-        return call.rows
+        return call.skip
 
     def _recomputed_rows(self, x: Tensor, shape: tuple, name: str | None) -> Tensor | None:
         task = torch._C._current_graph_task_id()
@@ -175,14 +178,14 @@ class SketchContext:
             pending = [c for c in self._tasks[task] if c.shape == shape]
             recent = [c for c in self._recent if c.shape == shape]
         if len(pending) == 1:
-            return pending[0].rows
+            return pending[0].skip
         if not recent:
             return None  # no call with a mask of this shape: none with padding rows to skip
         sample = _sample(x)
         for candidates in (pending, recent):
             found = [c for c in candidates if name is not None and c.matches(name, sample)]
             if found and all(torch.equal(c.rows, found[0].rows) for c in found):
-                return found[0].rows
+                return found[0].skip
         raise RuntimeError(
             f"skip_padding: the recomputation of layer {name!r} in backward (activation "
             f"checkpointing) cannot tell which of {len(recent)} recent model calls shaped "
