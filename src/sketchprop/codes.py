@@ -19,9 +19,10 @@ uint8 tensor, instead of the activation. Readers:
 The file is a weak map, both ways: an entry goes when its tensor does, and it holds its payload by
 a weak reference, so the map keeps neither alive (the parts that save the payload do; where a
 saved-tensor hook takes it, as activation checkpointing's first pass does, it goes at once and
-the readers code the tensor themselves). A code is found only by the tensor object it was made
-for (a view, a copy or a cast of it is another tensor, and codes itself), and only while that
-tensor is unchanged: an in-place change (``ReLU(inplace=True)`` after a LayerNorm) bumps its
+the readers code the tensor themselves: :func:`filed_spec` still tells them what the code was, so
+that they save what the recomputation, which finds it, will). A code is found only by the tensor
+object it was made for (a view, a copy or a cast of it is another tensor, and codes itself), and
+only while that tensor is unchanged: an in-place change (``ReLU(inplace=True)`` after a LayerNorm) bumps its
 version, and the code no longer stands for it.
 """
 
@@ -36,7 +37,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .quantize import QuantSpec, dequantize, quantize
 
-__all__ = ["SharedCode", "code_of", "make_code"]
+__all__ = ["SharedCode", "code_of", "filed_spec", "make_code"]
 
 _filed = WeakTensorKeyDictionary()
 
@@ -48,12 +49,6 @@ class SharedCode:
 
     payload: Tensor
     spec: QuantSpec
-
-    def fits(self, bits: int, group: int, rows: int, cols: int) -> bool:
-        """Whether the code is what a reader that codes ``rows x cols`` at ``bits`` bits in groups
-        of ``group`` would make itself."""
-        s = self.spec
-        return (s.bits, s.group, s.rows, s.cols) == (bits, group, rows, cols)
 
     def decode(self, dtype: torch.dtype | None = None) -> Tensor:
         """The coded rows (``rows x cols``) in ``dtype`` (default: the coded tensor's)."""
@@ -88,3 +83,10 @@ def code_of(x: Tensor) -> SharedCode | None:
     if payload is None or version != x._version:
         return None
     return SharedCode(payload, spec)
+
+
+def filed_spec(x: Tensor) -> QuantSpec | None:
+    """The spec of the code filed under ``x`` while ``x`` is unchanged since, whether or not its
+    payload is still alive; else None."""
+    entry = _filed.get(x)
+    return None if entry is None or entry[0] != x._version else entry[2]

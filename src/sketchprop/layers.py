@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .codes import code_of
+from .codes import code_of, filed_spec
 from .compiling import eager_island
 from .functional import SketchedLinearFunction, seed_tensor
-from .quantize import DEFAULT_GROUP, QuantSpec, check_bits, check_group, quantize
+from .quantize import DEFAULT_GROUP, QuantSpec, check_bits, check_group, payload_rows, quantize
 from .rng import process_rank, stable_seed
 from .sketches import SKETCHES, GradNormEstimate, Sketch, get_sketch, num_proj_rows
 
@@ -381,15 +381,18 @@ class _Sketched:
             want_qvar = self.tracker is not None or (allocated and not sketch.exact)
             # A code of x filed by the part that made x (the lean preset): saved, not made again,
             # where it is what this layer would make (sketchprop.codes). It covers every row:
-            # with padding rows skipped, backward keeps the real ones.
-            filed = None if (self.bits is None or not sketch.exact) else code_of(x)
-            if filed is not None and not filed.fits(self.bits, self.group,
-                                                    x.numel() // self.in_features, self.in_features):
-                filed = None
+            # with padding rows skipped, backward keeps the real ones. Where its payload is gone
+            # (a non-reentrant checkpoint's first pass keeps no saved tensor) this layer codes
+            # every row itself, to save what the recomputation, which finds the code, will.
+            # The variances want a code of their own, of the rows they estimate.
+            spec = None if (self.bits is None or not sketch.exact or want_qvar) else filed_spec(x)
+            whole = spec is not None and (spec.bits, spec.group, spec.rows, spec.cols) == (
+                self.bits, self.group, x.numel() // self.in_features, self.in_features)
+            filed = code_of(x) if whole else None
             if hit is not None:
                 sx, seed, plan, owner, qvar = hit
                 self._join(owner)
-            elif filed is not None and not want_qvar:  # the variances want a code of its own
+            elif filed is not None:
                 sx = filed.payload
                 if shared:
                     self.context.store(key, x, sx, seed, plan, self, qvar)
@@ -402,7 +405,7 @@ class _Sketched:
                         plan = sketch.plan(x2, k, draw, rows, weights)
                         sx = plan.apply(x2)
                     else:
-                        sx = sketch.apply(x2, k, draw, rows)
+                        sx = sketch.apply(x2, k, draw, None if whole else rows)
                         # One seed tensor per sketch: layers sharing the sketch save it once.
                         seed = seed_tensor(draw)
                     if self.bits is not None:  # one payload per sketch: shared ones code once
@@ -410,8 +413,9 @@ class _Sketched:
                 if shared:
                     self.context.store(key, x, sx, seed, plan, self, qvar)
             if self.bits is not None:
-                stored = k if not sketch.exact else \
-                    filed.spec.rows if (filed is not None and sx is filed.payload) else n
+                # the rows sx codes: k, the real rows or every row (a filed code, or a layer that
+                # shares sx and coded every row)
+                stored = payload_rows(sx, self.bits, self.group, self.in_features)
                 quant = QuantSpec(self.bits, self.group, stored, self.in_features, inp.dtype)
             if sketch.data_dependent:
                 hooks.append(self.grad_norms.hook())

@@ -49,7 +49,7 @@ from .packing import pack_codes, unpack_codes
 from .rng import dither16
 
 __all__ = ["BITS", "DEFAULT_GROUP", "QuantSpec", "check_bits", "check_group", "dequantize",
-           "quantize", "stored_bits"]
+           "payload_rows", "quantize", "stored_bits"]
 
 #: Supported code widths: a whole number of codes per byte.
 BITS = (8, 4, 2)
@@ -171,6 +171,12 @@ def quantize(a: Tensor, bits: int, group: int, seed: int,
     packed, lo, step, row_var = _encode(x, key, bits, real)
     ends = torch.stack([lo, step], dim=-1).reshape(-1).view(torch.uint8)
     return torch.cat([packed, ends]), spec, row_var
+
+
+def payload_rows(payload: Tensor, bits: int, group: int, cols: int) -> int:
+    """The rows a payload of :func:`quantize` holds (``cols`` columns each): a row is its packed
+    codes and its groups' two bfloat16 ends."""
+    return payload.numel() // (-(-cols // group) * (group * bits // 8 + 4))
 
 
 @fused
