@@ -10,8 +10,9 @@ from test_patching import batch, tiny_roberta
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sketchprop import SKETCHES, patch_linear
+from sketchprop import SKETCHES, patch_activations, patch_linear
 from sketchprop.measure import SavedTensorMeter
+from sketchprop.tracking import collect
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,3 +137,40 @@ def test_checkpointing_with_sketches_saves_the_seed_beside_the_sketch():
     with SavedTensorMeter(layer) as meter:
         layer(x).sum().backward()
     assert meter.bytes == 16 * 8 * 4 + 8
+
+
+def test_a_shared_sketch_gone_in_the_first_pass_is_formed_again_the_same():
+    """A non-reentrant checkpoint's first pass keeps no saved tensor: the sketch the query formed
+    (4-bit codes here) is gone when key and value look it up. They form it again from the
+    query's draw, the very same bits, as the recomputation, which finds it, will save it."""
+    model = tiny_roberta().train()
+    patch_linear(model, sketch="gaussian", rho=0.5, bits=4, share_inputs=True, min_rows=1)
+    payloads = []
+
+    def pack(t):  # keep a copy, not the tensor: the original goes, as in the first pass
+        if t.dtype == torch.uint8:
+            payloads.append(t.clone())
+        return None
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        model(**batch())
+    q, k, v = payloads[:3]  # layer 0's query, key and value, in that order
+    assert torch.equal(q, k) and torch.equal(q, v)
+
+
+@pytest.mark.parametrize("sketch, rho, tracked, preset", [
+    ("exact", 1.0, "attention.self.query", "lean"),  # the owner of Q, K and V's sketch tracked
+    ("gaussian", 0.5, "attention.self.key", None),  # a layer sharing it tracked
+])
+def test_tracked_layers_sharing_a_sketch_under_checkpointing(sketch, rho, tracked, preset):
+    """A tracked layer saves its rounding variances; each layer sharing its sketch must save in
+    the first pass what it saves in the recomputation (else torch raises)."""
+    model = tiny_roberta().train()
+    patch_linear(model, sketch=sketch, rho=rho, bits=4, share_inputs=True, skip_padding=True,
+                 min_rows=1, track_variance=tracked)
+    if preset:
+        patch_activations(model, preset=preset)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    grads = _grads(model, batch())
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert len(collect(model)) == 2

@@ -99,7 +99,9 @@ class SketchContext:
     - a cache of sketches by input tensor (``share_inputs``): layers that read the same tensor
       (Q, K, V) reuse one ``S^T X`` and its seed (or plan, for a data-dependent sketch), and learn
       who formed it. Entries hold weak references to the input and the sketch, so the cache never
-      keeps either alive.
+      keeps either alive. Where the sketch is gone while its input is not (a non-reentrant
+      checkpoint's first pass keeps no saved tensor), the sharing layers form it again from
+      the owner's draw, the same bits: each saves what it will save in the recomputation.
     """
 
     #: Model calls remembered for recomputation in backward.
@@ -192,22 +194,28 @@ class SketchContext:
             f"{shape} it redoes, and their padding differs; run backward after each forward, "
             "or patch with skip_padding=False")
 
-    def lookup(self, key: tuple, x: Tensor) -> tuple | None:
-        """``(sx, seed, plan, owner, qvar)`` stored for input ``x`` under ``key``, or None."""
+    def lookup(self, key: tuple, x: Tensor, layer) -> tuple | None:
+        """``(sx, seed, plan, owner, qvar, draw, whole)`` stored for input ``x`` under ``key`` by
+        another layer, or None. ``sx`` is None where the sketch is gone but ``draw`` forms it
+        again: a non-reentrant checkpoint's first pass keeps no saved tensor."""
         hit = self._shared.get(key)
         if hit is None:
             return None
         x_ref, sx_ref, *rest = hit
-        sx = sx_ref()
-        if x_ref() is not x or sx is None:
-            del self._shared[key]
+        sx, owner, draw = sx_ref(), rest[2], rest[4]
+        if x_ref() is not x or (sx is None and (owner is layer or draw is None)):
+            del self._shared[key]  # (its owner again: the recomputation, which forms its own)
             return None
         return (sx, *rest)
 
-    def store(self, key: tuple, x: Tensor, sx: Tensor, seed, plan, owner, qvar=None) -> None:
-        for k in [k for k, (xr, sr, *_) in self._shared.items() if xr() is None or sr() is None]:
+    def store(self, key: tuple, x: Tensor, sx: Tensor, seed, plan, owner, qvar, draw,
+              whole: bool) -> None:
+        """File ``sx``, what ``owner`` formed of ``x`` (``whole``: of every row, padding or
+        not) with the draw ``draw`` (None: not formed by the owner, nothing to form again)."""
+        for k in [k for k, (xr, *_) in self._shared.items() if xr() is None]:
             del self._shared[k]
-        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed, plan, owner, qvar)
+        self._shared[key] = (weakref.ref(x), weakref.ref(sx), seed, plan, owner, qvar, draw,
+                             whole)
 
 
 #: The attribute of a patched model that holds its layers' :class:`SketchContext`.
@@ -376,7 +384,7 @@ class _Sketched:
         if self.weight.requires_grad:
             key = (sketch.name, k, inp.dtype, rows is not None, self.bits, self.group)
             shared = self.share_inputs and self.context is not None
-            hit = self.context.lookup(key, x) if shared else None
+            hit = self.context.lookup(key, x, self) if shared else None
             # b-bit rows: the rounding variances feed the variance estimates, when any reads them.
             want_qvar = self.tracker is not None or (allocated and not sketch.exact)
             # A code of x filed by the part that made x (the lean preset): saved, not made again,
@@ -390,28 +398,27 @@ class _Sketched:
                 self.bits, self.group, x.numel() // self.in_features, self.in_features)
             filed = code_of(x) if whole else None
             if hit is not None:
-                sx, seed, plan, owner, qvar = hit
+                sx, seed, plan, owner, qvar, draw, whole = hit
+                if sx is None:  # formed again, the same: what the recomputation will save
+                    sx = self._form(inp, sketch, k, draw, None if whole else rows, plan)[0]
                 self._join(owner)
             elif filed is not None:
                 sx = filed.payload
                 if shared:
-                    self.context.store(key, x, sx, seed, plan, self, qvar)
+                    self.context.store(key, x, sx, seed, plan, self, qvar, None, True)
             else:
                 draw = self._next_seed()
-                x2 = inp.detach().reshape(-1, self.in_features)
-                with torch.no_grad():
-                    if sketch.data_dependent:
+                if sketch.data_dependent:
+                    with torch.no_grad():
                         weights = self.grad_norms.weights(tuple(x.shape), rows, x.device)
-                        plan = sketch.plan(x2, k, draw, rows, weights)
-                        sx = plan.apply(x2)
-                    else:
-                        sx = sketch.apply(x2, k, draw, None if whole else rows)
-                        # One seed tensor per sketch: layers sharing the sketch save it once.
-                        seed = seed_tensor(draw)
-                    if self.bits is not None:  # one payload per sketch: shared ones code once
-                        sx, _, qvar = quantize(sx, self.bits, self.group, draw, want_qvar)
+                        plan = sketch.plan(inp.detach().reshape(-1, self.in_features), k, draw,
+                                           rows, weights)
+                else:  # one seed tensor per sketch: layers sharing the sketch save it once
+                    seed = seed_tensor(draw)
+                sx, qvar = self._form(inp, sketch, k, draw, None if whole else rows, plan,
+                                      want_qvar)
                 if shared:
-                    self.context.store(key, x, sx, seed, plan, self, qvar)
+                    self.context.store(key, x, sx, seed, plan, self, qvar, draw, whole)
             if self.bits is not None:
                 # the rows sx codes: k, the real rows or every row (a filed code, or a layer that
                 # shares sx and coded every row)
@@ -431,6 +438,19 @@ class _Sketched:
             return SketchedLinearFunction.apply(inp, weight, bias, sx, sketch, k, seed, rows,
                                                 self.tracker, tstate, plan, tuple(hooks), quant,
                                                 qvar)
+
+    def _form(self, inp: Tensor, sketch: Sketch, k: int, draw: int, rows, plan,
+              want_qvar: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``S^T X`` of the rows ``rows`` of ``inp`` (all for None), by ``plan`` for a
+        data-dependent sketch, else drawn with ``draw``; with ``bits`` its codes (one payload
+        per sketch: layers sharing it code once), and their rounding variances if wanted."""
+        qvar = None
+        with torch.no_grad():
+            x2 = inp.detach().reshape(-1, self.in_features)
+            sx = plan.apply(x2) if plan is not None else sketch.apply(x2, k, draw, rows)
+            if self.bits is not None:
+                sx, _, qvar = quantize(sx, self.bits, self.group, draw, want_qvar)
+        return sx, qvar
 
     def _join(self, owner: _Sketched) -> None:
         """This layer reuses the sketch ``owner`` formed: learn one gradient-norm estimate for
