@@ -101,13 +101,19 @@ def padded(b=4, length=16, seed=0, shift=0):
 
 @pytest.mark.stack("ckpt-reentrant", "sketch")
 @pytest.mark.stack("ckpt-nonreentrant", "sketch")
+@pytest.mark.parametrize("activations", [False, True])
 @pytest.mark.parametrize("reentrant", [None, False, True])
-def test_two_forwards_then_one_backward_with_skip_padding(reentrant):
+def test_two_forwards_then_one_backward_with_skip_padding(reentrant, activations):
     """A paired loss over two batches of one shape and different padding: at rho 1 the sketch is
-    the identity, so the gradients must be the unpatched model's, checkpointed or not."""
+    the identity, so the gradients must be the unpatched model's, checkpointed or not. With the
+    exact activation parts too: a reentrant checkpoint's first pass (no grad) computes attention
+    as its recomputation does, bit for bit, by which the recomputation finds its call."""
     model = tiny_roberta(dropout=0.0)
     ref = copy.deepcopy(model)
     patch_linear(model, "gaussian", rho=1.0, skip_padding=True, min_rows=1)
+    if activations:
+        patch_activations(model, dropout="seeded", attention="recompute", gelu_bits=None,
+                          layernorm="output")
     b1, b2 = padded(seed=0), padded(seed=1, shift=2)
     assert not torch.equal(b1["attention_mask"], b2["attention_mask"])
     got = []

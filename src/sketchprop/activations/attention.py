@@ -385,10 +385,12 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    # A forward without grad but with dropout (a reentrant checkpoint's first pass) draws its
-    # masks as the recomputation will: through the Function, not SDPA's own generator.
+    # A forward in training without grad (a reentrant checkpoint's first pass) computes as the
+    # recomputation will, through the Function: its dropout masks, not SDPA's own generator's,
+    # and its float rounding, by which the recomputation tells its call from another's.
     weights = kwargs.get("output_attentions")
-    if not weights and (query.device.type == "cuda" or not (needs_grad or dropout > 0)):
+    if not weights and (query.device.type == "cuda" or not (needs_grad or dropout > 0
+                                                            or getattr(module, "training", False))):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
