@@ -174,3 +174,39 @@ def test_tracked_layers_sharing_a_sketch_under_checkpointing(sketch, rho, tracke
     grads = _grads(model, batch())
     assert all(torch.isfinite(g).all() for g in grads.values())
     assert len(collect(model)) == 2
+
+
+class SharedInput(nn.Module):
+    """Q, K and V reading the model's input itself, checkpointed or not."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.query, self.key, self.value = (nn.Linear(16, 16) for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def block(self, x):
+        return torch.softmax(self.query(x) @ self.key(x).T, -1) @ self.value(x)
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+
+
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_step_never_forms_a_sketch_from_an_earlier_steps_draw(checkpointed, skip_padding):
+    """The same input tensor every step, and the query, which formed the shared sketch, frozen
+    after the first: key and value must draw a sketch of their own at every step, never form one
+    again from the query's old draw (a model call forgets the sketches shared before it)."""
+    model = SharedInput(checkpointed)
+    patch_linear(model, "gaussian", rho=0.25, share_inputs=True, skip_padding=skip_padding,
+                 min_rows=1)
+    x = torch.randn(32, 16)
+    steps = []
+    for step in range(3):
+        if step == 1:
+            model.query.weight.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        steps.append(model.key.weight.grad.clone())
+    assert not torch.equal(steps[1], steps[2])

@@ -134,12 +134,14 @@ class SketchContext:
         return None if call is None else call.rows
 
     def set_mask(self, mask: Tensor | None) -> None:
+        """A model call begins, with ``mask`` its ``attention_mask`` (None: none). The sketches
+        shared so far are forgotten: a call never forms one from an earlier call's draw."""
+        self._shared.clear()
         if mask is None or mask.dim() != 2:
             self._local.call = None
             return
         rows = mask.reshape(-1).nonzero().squeeze(1)
         call = self._local.call = _Call(tuple(mask.shape), rows)
-        self._shared.clear()
         if torch.is_grad_enabled():
             with self._lock:
                 self._recent.append(call)

@@ -227,11 +227,12 @@ def patch_linear(
         new[name] = layer
 
     # The hooks and the context go on the transformers model (a peft model's base model, which
-    # peft calls with the mask): merge_and_unload gives it back with its layers' mask hook.
+    # peft calls with the mask): merge_and_unload gives it back with its layers' mask hook. The
+    # hook also tells shared sketches when a model call begins, padding skipped or not.
     owner = _transformers_owner(model)
     holder = model if owner is None else owner
     hooks = []
-    if skip_padding:
+    if skip_padding or share_inputs:
         hooks.append(holder.register_forward_pre_hook(MaskHook(holder), with_kwargs=True))
         setattr(holder, CONTEXT_ATTRIBUTE, context)
     setattr(holder, _HOOKS, hooks)
