@@ -99,9 +99,10 @@ class SketchContext:
     - a cache of sketches by input tensor (``share_inputs``): layers that read the same tensor
       (Q, K, V) reuse one ``S^T X`` and its seed (or plan, for a data-dependent sketch), and learn
       who formed it. Entries hold weak references to the input and the sketch, so the cache never
-      keeps either alive. Where the sketch is gone while its input is not (a non-reentrant
-      checkpoint's first pass keeps no saved tensor), the sharing layers form it again from
-      the owner's draw, the same bits: each saves what it will save in the recomputation.
+      keeps either alive, and are forgotten when a model call begins. Where the sketch is gone
+      while its input is not (a non-reentrant checkpoint's first pass keeps no saved tensor),
+      the sharing layers form it again from the owner's draw, the same bits: each saves what it
+      will save in the recomputation.
     """
 
     #: Model calls remembered for recomputation in backward.
