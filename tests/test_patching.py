@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from sketchprop import RandomizedLinear, patch_linear, unpatch_linear
-from sketchprop.layers import SketchContext
+from sketchprop.layers import CONTEXT_ATTRIBUTE, SketchContext
 from sketchprop.measure import SavedTensorMeter
 
 PER_LAYER = [
@@ -530,3 +530,15 @@ def test_no_match_names_the_types_it_found():
     with pytest.raises(ValueError, match=r"match no nn.Linear or Conv1D \(the model has 0\); .*"
                                          r"Conv1d \(1\), Embedding \(1\)"):
         patch_linear(model, "gaussian", 0.1)
+
+
+@pytest.mark.parametrize("skip_padding", [False, True])
+def test_shared_sketches_alone_look_for_no_padding_rows(skip_padding):
+    """With share_inputs alone the hook only tells the layers that a call begins: it looks for no
+    padding rows (mask.nonzero() would make the CPU wait for a GPU at every call)."""
+    model = tiny_roberta().train()
+    patch_linear(model, "gaussian", rho=0.5, share_inputs=True, skip_padding=skip_padding)
+    data = batch()
+    model(**data).loss.backward()
+    shape = getattr(model, CONTEXT_ATTRIBUTE).mask_shape
+    assert shape == (tuple(data["attention_mask"].shape) if skip_padding else None)

@@ -240,13 +240,17 @@ class MaskHook:
     gradient: such a call skips no rows (the weight gradient stays unbiased, it saves less).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, skip_padding: bool = True):
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder",
                                             False))
+        # False: only the start of each call matters (shared sketches); no padding rows are
+        # found, so no mask.nonzero(), which waits for a GPU, runs
+        self.skip_padding = skip_padding
         self._signature: inspect.Signature | None = None  # of the forward, read at the first call
 
     def __getstate__(self) -> dict:
-        return {"encoder_decoder": self.encoder_decoder, "_signature": None}
+        return {"encoder_decoder": self.encoder_decoder, "skip_padding": self.skip_padding,
+                "_signature": None}
 
     def _bind(self, module: nn.Module, args, kwargs) -> dict:
         if not args:
@@ -265,6 +269,9 @@ class MaskHook:
     def __call__(self, module, args, kwargs):
         context = getattr(module, CONTEXT_ATTRIBUTE, None)
         if context is None:
+            return
+        if not getattr(self, "skip_padding", True):  # (a hook pickled before it had the flag)
+            context.set_mask(None)
             return
         arguments = self._bind(module, args, kwargs)
         mask = arguments.get("attention_mask")

@@ -233,7 +233,8 @@ def patch_linear(
     holder = model if owner is None else owner
     hooks = []
     if skip_padding or share_inputs:
-        hooks.append(holder.register_forward_pre_hook(MaskHook(holder), with_kwargs=True))
+        hooks.append(holder.register_forward_pre_hook(MaskHook(holder, skip_padding),
+                                                      with_kwargs=True))
         setattr(holder, CONTEXT_ATTRIBUTE, context)
     setattr(holder, _HOOKS, hooks)
     if owner is not None:
