@@ -398,11 +398,10 @@ class _Sketched:
             # b-bit rows: the rounding variances feed the variance estimates, when any reads them.
             want_qvar = self.tracker is not None or (allocated and not sketch.exact)
             # A code of x filed by the part that made x (the lean preset): saved, not made again,
-            # where it is what this layer would make (sketchprop.codes). It covers every row:
-            # with padding rows skipped, backward keeps the real ones. Where its payload is gone
-            # (a non-reentrant checkpoint's first pass keeps no saved tensor) this layer codes
-            # every row itself, to save what the recomputation, which finds the code, will.
-            # The variances want a code of their own, of the rows they estimate.
+            # where it is what this layer would make (sketchprop.codes). It covers every row
+            # (backward keeps the real ones); where its payload is gone (a non-reentrant
+            # checkpoint's first pass keeps no saved tensor) this layer codes every row itself,
+            # as the recomputation will save. The variances want a code of the rows they estimate.
             spec = None if (self.bits is None or not sketch.exact or want_qvar) else filed_spec(x)
             whole = spec is not None and (spec.bits, spec.group, spec.rows, spec.cols) == (
                 self.bits, self.group, x.numel() // self.in_features, self.in_features)

@@ -227,8 +227,7 @@ def patch_linear(
         new[name] = layer
 
     # The hooks and the context go on the transformers model (a peft model's base model, which
-    # peft calls with the mask): merge_and_unload gives it back with its layers' mask hook. The
-    # hook also tells shared sketches when a model call begins, padding skipped or not.
+    # peft calls with the mask; merge_and_unload keeps the hook), which also starts each call.
     owner = _transformers_owner(model)
     holder = model if owner is None else owner
     hooks = []
