@@ -94,9 +94,9 @@ def test_a_biased_rounding_is_caught(monkeypatch):
     """The control for the test above: rounding that lands 5% of a step high on average."""
     import sketchprop.quantize as q
 
-    real = q.dither16
+    real = q.dither_of
     monkeypatch.setenv("SKETCHPROP_CODECS", "eager")  # a patched module global, read at each call
-    monkeypatch.setattr(q, "dither16", lambda key, counter, n: real(key, counter, n) + 0.05)
+    monkeypatch.setattr(q, "dither_of", lambda r: real(r) + 0.05)
     x, g = unbiased_data()
     exact = (g.T @ x).double().reshape(-1)
     layer = make_layer("exact", bits=2, group=8)

@@ -16,6 +16,8 @@ from scipy import stats
 from sketchprop.rng import (
     MASK32,
     dither16,
+    dither_of,
+    map_uint16,
     philox4x32,
     random_bits,
     random_int16,
@@ -101,6 +103,10 @@ def test_bit_layout(call):
         assert random_int16(key, call, n + m).tolist() == [h - 2**16 if h >= 2**15 else h
                                                            for h in halves]
         assert dither16(key, call, n + m).tolist() == [(h + 0.5) * 2.0**-16 for h in halves]
+        # half by half: element i meets draw i, and the result keeps the input's shape
+        x = torch.arange(n + m).view(-1, 1)
+        out = map_uint16(lambda x, r: x * 2**16 + r, x, key, call)
+        assert out.shape == x.shape and out.view(-1).tolist() == [i * 2**16 + h for i, h in enumerate(halves)]
     assert uniform(key, call, n).tolist() == [(w >> 8) * 2.0**-24 for w in expected]
 
 
@@ -189,7 +195,8 @@ def draw_all(key, call):
     """What the compiled tests draw: every helper, bfloat16 uniforms included."""
     return (random_bits(key, call, 10), uniform(key, call, (2, 3)),
             uniform(key, call, 5, dtype=torch.bfloat16), random_int16(key, call, 5),
-            random_uint16(key, call, 7), dither16(key, call, 9))
+            random_uint16(key, call, 7), dither16(key, call, 9),
+            map_uint16(lambda x, r: x + dither_of(r), torch.arange(11.0).view(11, 1), key, call))
 
 
 def assert_same(a, b):

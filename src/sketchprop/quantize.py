@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .compiling import fused
 from .packing import pack_codes, unpack_codes
-from .rng import dither16
+from .rng import dither_of, map_uint16
 
 __all__ = ["BITS", "DEFAULT_GROUP", "QuantSpec", "check_bits", "check_group", "dequantize",
            "payload_rows", "quantize", "stored_bits"]
@@ -142,12 +142,13 @@ def _encode(x: Tensor, key: Tensor, bits: int,
     it pads), each row's rounding variance: one fused function
     (:func:`~sketchprop.compiling.fused`), one pass over the rows."""
     t, lo, step = _grid(x, bits)
-    u = dither16(key, 0, t.numel()).view_as(t)
     row_var = None
     if real is not None:
         f = t - t.floor()
         row_var = ((f * (1 - f) * real).sum(-1) * step.float().square()).sum(-1)
-    codes = (t + u).floor().clamp(max=(1 << bits) - 1).to(torch.uint8)
+    levels = (1 << bits) - 1
+    codes = map_uint16(lambda t, r: (t + dither_of(r)).floor().clamp(max=levels).to(torch.uint8),
+                       t, key, 0)
     return pack_codes(codes, bits), lo, step, row_var
 
 

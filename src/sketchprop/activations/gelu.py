@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from ..compiling import eager_island, fused
 from ..functional import first_order, seed_tensor
 from ..packing import pack_codes, unpack_codes
-from ..rng import SeedStream, dither16
+from ..rng import SeedStream, dither_of, map_uint16
 from .seeds import _draw_seed
 
 #: ``gelu_code=`` values (see the module docstring).
@@ -151,14 +151,16 @@ def _table(code: GeluCode, device: torch.device, side: str) -> Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _codes(g: Tensor, key: Tensor | None, table: Tensor | None, bits: int, lo: float | None,
-           step: float | None) -> Tensor:
-    """:meth:`GeluCode.encode` of ``g``: stochastic (``table`` None) with the Philox stream
-    ``key``, or by the thresholds in ``table``."""
+def _codes(x: Tensor, key: Tensor | None, table: Tensor | None, bits: int, lo: float | None,
+           step: float | None, of=lambda x: x) -> Tensor:
+    """:meth:`GeluCode.encode` of the values ``g = of(x)``: stochastic (``table`` None) with the
+    Philox stream ``key``, or by the thresholds in ``table``. (``of`` runs on each half of the
+    draws, :func:`~sketchprop.rng.map_uint16`: a compiled caller then never stores ``g``.)"""
     if table is None:
         # code = floor((g - lo) / step + u), u uniform on a 16-bit grid inside (0, 1)
-        v = g * (1 / step) + (-lo / step) + dither16(key, 0, g.numel()).view(g.shape)
-        return v.clamp(0, 2**bits - 1).to(torch.uint8)  # truncation is floor for v >= 0
+        return map_uint16(lambda x, r: (of(x) * (1 / step) + (-lo / step) + dither_of(r))
+                          .clamp(0, 2**bits - 1).to(torch.uint8), x, key, 0)  # truncation: floor
+    g = of(x)
     code = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
     for i in range(table.shape[0]):
         code = code + (g > table[i])
@@ -182,7 +184,8 @@ def _encode(x: Tensor, key: Tensor | None, table: Tensor | None, bits: int, lo: 
             step: float | None, approximate: str) -> Tensor:
     """The packed code of GELU's derivative at ``x``: derivative, rounding and packing in one
     fused function (:func:`~sketchprop.compiling.fused`)."""
-    return pack_codes(_codes(gelu_derivative(x, approximate), key, table, bits, lo, step), bits)
+    return pack_codes(_codes(x, key, table, bits, lo, step,
+                             lambda x: gelu_derivative(x, approximate)), bits)
 
 
 @fused

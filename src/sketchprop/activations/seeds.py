@@ -19,7 +19,8 @@ still pair masks with the activations they made.
 2^-16 (``0.1 -> 0.100006``) and the kept elements are scaled by the inverse of the rounded keep
 probability: the expectation is exact. The 16-bit integers come from the Philox stream of
 :mod:`sketchprop.rng` keyed by the seed (:func:`~sketchprop.rng.random_uint16`, two per 32-bit
-word): the same mask eager and compiled, on every device. Mask and product are one fused
+word, drawn by :func:`~sketchprop.rng.map_uint16`): the same mask eager and compiled, on every
+device. Mask and product are one fused
 function (:func:`dropout_apply`), which backward calls again on ``dY``.
 """
 
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from ..compiling import fused
 from ..functional import seed_tensor
-from ..rng import random_uint16
+from ..rng import map_uint16
 
 
 def _draw_seed() -> Tensor:
@@ -54,14 +55,14 @@ def key_of(seed, device) -> Tensor:
 
 def _keep(like: Tensor, key: Tensor, dropped: int) -> Tensor:
     """The keep mask (bool, the shape of ``like``) that ``key`` makes."""
-    return (random_uint16(key, 0, like.numel()) >= dropped).view(like.shape)
+    return map_uint16(lambda _, r: r >= dropped, like, key, 0)
 
 
 @fused
 def dropout_apply(x: Tensor, key: Tensor, dropped: int, scale: float) -> Tensor:
     """``x * keep * scale`` with the keep mask of ``key``: mask and product in one fused function
     (:func:`~sketchprop.compiling.fused`). Forward applies it to the input, backward to ``dY``."""
-    return (x * _keep(x, key, dropped) * scale).to(x.dtype)
+    return map_uint16(lambda x, r: (x * (r >= dropped) * scale).to(x.dtype), x, key, 0)
 
 
 @fused
