@@ -38,7 +38,7 @@ class _SeededDropoutFunction(torch.autograd.Function):
 @fused
 def _packed_forward(x: Tensor, key: Tensor, dropped: int, scale: float) -> tuple[Tensor, Tensor]:
     keep = _keep(x, key, dropped)
-    return (x * keep * scale).to(x.dtype), pack_codes(keep.to(torch.uint8), 1)
+    return (x * keep * scale).to(x.dtype), pack_codes(keep, 1)
 
 
 @fused

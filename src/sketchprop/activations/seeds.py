@@ -54,8 +54,10 @@ def key_of(seed, device) -> Tensor:
 
 
 def _keep(like: Tensor, key: Tensor, dropped: int) -> Tensor:
-    """The keep mask (bool, the shape of ``like``) that ``key`` makes."""
-    return map_uint16(lambda _, r: r >= dropped, like, key, 0)
+    """The keep mask (uint8, 0 or 1, the shape of ``like``) that ``key`` makes."""
+    # through int64, not bool: inductor's CPU code stores a vector of bools element by element
+    # (12x slower on a 8x12x128x128 mask); the bytes are the same
+    return map_uint16(lambda _, r: (r >= dropped).long().to(torch.uint8), like, key, 0)
 
 
 @fused
@@ -67,8 +69,7 @@ def dropout_apply(x: Tensor, key: Tensor, dropped: int, scale: float) -> Tensor:
 
 @fused
 def _keep_like(like: Tensor, key: Tensor, dropped: int) -> Tensor:
-    # uint8, viewed as bool by the caller: a compiled CPU kernel stores bytes twice as fast
-    return _keep(like, key, dropped).to(torch.uint8)
+    return _keep(like, key, dropped)  # uint8, viewed as bool by the caller
 
 
 def keep_mask(shape, p: float, seed, device) -> Tensor:
