@@ -148,6 +148,37 @@ def test_recomputed_attention_is_exact(p):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("case", ["padded", "float mask", "blind query"])
+def test_projected_attention_projects_only_the_rows_backward_reads(case, monkeypatch):
+    """Backward makes Q, K, V again only for live queries and attendable keys (10 of 12 rows
+    here: the second sequence's two padding rows are neither), unless a live query can attend to
+    no key, whose softmax then reads every key of its sequence (12); either way the gradients
+    are those of keeping Q, K, V, bit for bit (dropout on)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, generator=gen)
+    pairs = [(torch.randn(8, 8, generator=gen), torch.randn(8, generator=gen)) for _ in range(3)]
+    q, k, v = (act.attention._project(x, w, b, torch.float32, 4).requires_grad_(True)
+               for w, b in pairs)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    mask[1, ..., 4:] = False  # padding keys of the second sequence
+    if case == "blind query":
+        mask[1, :, 3] = False  # a live query of the second sequence that may attend to no key
+    if case == "float mask":
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    dout = torch.randn(2, 2, 6, 4, generator=gen)
+    dout[1, :, 4:] = 0  # padding queries get no gradient
+    seed = seed_tensor(7)
+    want = torch.autograd.grad(
+        act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, 0.3, seed), (q, k, v), dout)
+    seen, linear = [], torch.nn.functional.linear
+    out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs)
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda t, *a: seen.append(t.numel() // t.shape[-1]) or linear(t, *a))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert seen == [12 if case == "blind query" else 10] * 3
+
+
 # ---------------------------------------------------------------------------------------------
 # GELU codes.
 

@@ -6,8 +6,9 @@ registered in transformers' ``AttentionInterface`` that recomputes the probabili
 dropout mask) in backward, as Megatron-LM's selective recomputation does (Korthikanti et al.
 2022). It saves the padding mask, a seed, and, in place of Q, K and V, the self-attention
 block's input, from which backward makes Q, K and V again with the projections' weights: one
-activation of the hidden size instead of three, for a second Q/K/V projection in backward
-(where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
+activation of the hidden size instead of three, for a second Q/K/V projection in backward of
+the rows it reads (not a padded batch's padding rows: :func:`_needed_rows`). Where a projection
+is not a linear layer (a peft LoRA layer for one), Q, K and V are kept.
 Exact. On CUDA it calls PyTorch's ``scaled_dot_product_attention``, whose memory-efficient and
 flash kernels already keep no probabilities (but keep Q, K and V).
 
@@ -127,12 +128,42 @@ class _RecomputedAttention(torch.autograd.Function):
         return *_attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed)), *[None] * 4
 
 
+def _needed_rows(dout: Tensor, mask: Tensor | None, shape: torch.Size) -> Tensor | None:
+    """The rows (flat indices into the ``B * L`` rows of the block input, of shape ``shape``) whose
+    Q, K or V backward reads, or None for all of them. A row is read when it is a live query
+    (a nonzero output gradient), a key that some query may attend to (the mask allows it; a
+    masked key's probability is exactly 0, so its K and V meet only zeros), or any row of a
+    sequence where a live query may attend to no key (its softmax spreads over the masked keys).
+    Padded rows are neither: skipping them is where a padded batch's recompute saves its time."""
+    if mask is None or mask.dim() != 4 or dout.dim() != 4 or len(shape) != 3:
+        return None
+    (b, length), (mb, _, mq, mk) = shape[:2], mask.shape
+    if (dout.shape[0], dout.shape[2]) != (b, length) or mk != length or mb not in (1, b) \
+            or mq not in (1, length):
+        return None
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    live = dout.ne(0).any(-1).any(1)  # (B, L) queries
+    key = allowed.any(-2).any(1).expand(b, length)  # keys some query may attend to
+    blind = (~allowed.any(-1)).any(1).expand(b, length)  # queries that may attend to no key
+    needed = live | key | (blind & live).any(-1, keepdim=True)
+    return None if bool(needed.all()) else needed.flatten().nonzero().squeeze(1)
+
+
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
-             head_dim: int, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+             head_dim: int, rope: tuple[Tensor, Tensor] | None = None,
+             rows: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` in ``dtype`` (autocast's casts, done by hand) as heads:
     ``(B, L, H * D) -> (B, H, L, D)``, what BERT's self-attention gives the attention function;
-    with ``rope = (cos, sin)`` (``B, L, D``), rotated as Llama's ``apply_rotary_pos_emb`` does."""
-    y = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    with ``rope = (cos, sin)`` (``B, L, D``), rotated as Llama's ``apply_rotary_pos_emb`` does.
+    With ``rows`` (flat indices into the ``B * L`` rows), only those rows are projected; the
+    others are zeros."""
+    weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    if rows is None:
+        y = F.linear(x.to(dtype), weight, bias)
+    else:
+        flat = x.reshape(-1, x.shape[-1])
+        part = F.linear(flat.index_select(0, rows).to(dtype), weight, bias)
+        y = part.new_zeros(flat.shape[0], part.shape[-1]).index_copy_(0, rows, part)
     y = y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
     if rope is None:
         return y
@@ -144,8 +175,11 @@ def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
 class _ProjectedAttention(torch.autograd.Function):
     """:func:`_attend` that saves the attention block's input ``x`` (and the projections' weights,
     which are parameters) in place of Q, K and V, and makes Q, K and V again in backward from
-    ``x``: one activation of the hidden size kept instead of three. Its gradients are those of
-    :class:`_RecomputedAttention`, bit for bit: the same ``F.linear`` gives the same Q, K, V."""
+    ``x``: one activation of the hidden size kept instead of three, for a second projection of
+    the rows that backward reads (:func:`_needed_rows`). Its gradients are those of
+    :class:`_RecomputedAttention`, bit for bit: ``F.linear`` computes each row alike whatever
+    the number of rows, so the rows projected are forward's Q, K, V, and the others meet only
+    zeros."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
@@ -170,8 +204,9 @@ class _ProjectedAttention(torch.autograd.Function):
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
         rope = (cos, sin) if ctx.rope else None
+        rows = _needed_rows(dout, mask, x.shape)
         with torch.autocast(x.device.type, enabled=False):
-            qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None)
+            qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None, rows)
                    for i, (w, b) in enumerate(zip(weights[0::2], weights[1::2], strict=True))]
         grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
         return *grads, *[None] * 8
