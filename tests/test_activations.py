@@ -14,6 +14,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from sketchprop import SKETCHES, patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop import activations as act
+from sketchprop.codes import make_code
 from sketchprop.functional import seed_tensor
 from sketchprop.measure import SavedTensorMeter
 
@@ -149,11 +150,12 @@ def test_recomputed_attention_is_exact(p):
 
 
 @pytest.mark.parametrize("case", ["padded", "float mask", "blind query"])
-def test_projected_attention_projects_only_the_rows_backward_reads(case, monkeypatch):
-    """Backward makes Q, K, V again only for live queries and attendable keys (10 of 12 rows
-    here: the second sequence's two padding rows are neither), unless a live query can attend to
-    no key, whose softmax then reads every key of its sequence (12); either way the gradients
-    are those of keeping Q, K, V, bit for bit (dropout on)."""
+def test_coded_attention_projects_only_the_rows_backward_reads(case, monkeypatch):
+    """From a code of the block input, backward makes Q, K, V again only for live queries and
+    attendable keys (10 of 12 rows here: the second sequence's two padding rows are neither),
+    unless a live query can attend to no key, whose softmax then reads every key of its sequence
+    (12); the gradients are those of projecting every row, to float rounding. The exact
+    recompute projects every row, and its gradients are those of keeping Q, K, V, bit for bit."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 6, 8, generator=gen)
     pairs = [(torch.randn(8, 8, generator=gen), torch.randn(8, generator=gen)) for _ in range(3)]
@@ -168,15 +170,28 @@ def test_projected_attention_projects_only_the_rows_backward_reads(case, monkeyp
     dout = torch.randn(2, 2, 6, 4, generator=gen)
     dout[1, :, 4:] = 0  # padding queries get no gradient
     seed = seed_tensor(7)
-    want = torch.autograd.grad(
-        act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, 0.3, seed), (q, k, v), dout)
     seen, linear = [], torch.nn.functional.linear
-    out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs)
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda t, *a: seen.append(t.numel() // t.shape[-1]) or linear(t, *a))
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    def grads(code=None):
+        out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs, code)
+        seen.clear()
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    kept = torch.autograd.grad(
+        act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, 0.3, seed), (q, k, v), dout)
+    exact = grads()
+    assert all(torch.equal(a, b) for a, b in zip(exact, kept, strict=True))
+    assert seen == [12] * 3
+    code = make_code(x, 4, 8, seed=1)
+    coded = grads(code)
     assert seen == [12 if case == "blind query" else 10] * 3
+    monkeypatch.setattr(act.attention, "_needed_rows", lambda *a: None)
+    every_row = grads(code)
+    assert seen == [12] * 3
+    for a, b in zip(coded, every_row, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,16 +6,16 @@ registered in transformers' ``AttentionInterface`` that recomputes the probabili
 dropout mask) in backward, as Megatron-LM's selective recomputation does (Korthikanti et al.
 2022). It saves the padding mask, a seed, and, in place of Q, K and V, the self-attention
 block's input, from which backward makes Q, K and V again with the projections' weights: one
-activation of the hidden size instead of three, for a second Q/K/V projection in backward of
-the rows it reads (not a padded batch's padding rows: :func:`_needed_rows`). Where a projection
-is not a linear layer (a peft LoRA layer for one), Q, K and V are kept.
+activation of the hidden size instead of three, for a second Q/K/V projection in backward
+(where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
 Exact. On CUDA it calls PyTorch's ``scaled_dot_product_attention``, whose memory-efficient and
 flash kernels already keep no probabilities (but keep Q, K and V).
 
 **Coded** (``attention="coded"``, the lean preset): the block's input is kept as its ``b``-bit
 code, the one its LayerNorm filed or one made by :class:`CodeAttentionInput` (and shared with the
 Q, K, V projections' codes: :mod:`sketchprop.codes`), and backward makes Q, K and V again from the
-decoded input. Not exact: the recomputed probabilities differ from forward's, and the gradients
+decoded input, only for the rows backward reads (:func:`_needed_rows`: not a padded batch's
+padding rows). Not exact: the recomputed probabilities differ from forward's, and the gradients
 of Q, K, V carry their error (a bias, as the softmax is not linear); both measured by
 ``scripts/lean_check.py``. Coded, a Llama-style block (``q_proj``, ``k_proj``, ``v_proj`` and
 rotary ``position_embeddings``: :func:`has_rope_projections`) is made again too: Q and K rotated
@@ -134,7 +134,10 @@ def _needed_rows(dout: Tensor, mask: Tensor | None, shape: torch.Size) -> Tensor
     (a nonzero output gradient), a key that some query may attend to (the mask allows it; a
     masked key's probability is exactly 0, so its K and V meet only zeros), or any row of a
     sequence where a live query may attend to no key (its softmax spreads over the masked keys).
-    Padded rows are neither: skipping them is where a padded batch's recompute saves its time."""
+    Padded rows are neither: skipping them is where a padded batch's recompute saves its time.
+    Only the coded recompute skips them: a product over fewer rows may round differently (on this
+    CPU's MKL, float32 with 1-3 rows, float64 unless a multiple of 4), and the exact recompute
+    stays bit for bit."""
     if mask is None or mask.dim() != 4 or dout.dim() != 4 or len(shape) != 3:
         return None
     (b, length), (mb, _, mq, mk) = shape[:2], mask.shape
@@ -175,11 +178,9 @@ def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
 class _ProjectedAttention(torch.autograd.Function):
     """:func:`_attend` that saves the attention block's input ``x`` (and the projections' weights,
     which are parameters) in place of Q, K and V, and makes Q, K and V again in backward from
-    ``x``: one activation of the hidden size kept instead of three, for a second projection of
-    the rows that backward reads (:func:`_needed_rows`). Its gradients are those of
-    :class:`_RecomputedAttention`, bit for bit: ``F.linear`` computes each row alike whatever
-    the number of rows, so the rows projected are forward's Q, K, V, and the others meet only
-    zeros."""
+    ``x``: one activation of the hidden size kept instead of three. Its gradients are those of
+    :class:`_RecomputedAttention`, bit for bit: the same ``F.linear`` gives the same Q, K, V.
+    From a code of ``x`` (``attention="coded"``), only the rows backward reads are projected."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
@@ -204,7 +205,7 @@ class _ProjectedAttention(torch.autograd.Function):
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
         rope = (cos, sin) if ctx.rope else None
-        rows = _needed_rows(dout, mask, x.shape)
+        rows = None if ctx.code is None else _needed_rows(dout, mask, x.shape)
         with torch.autocast(x.device.type, enabled=False):
             qkv = [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None, rows)
                    for i, (w, b) in enumerate(zip(weights[0::2], weights[1::2], strict=True))]
