@@ -135,8 +135,8 @@ def _needed_rows(dout: Tensor, mask: Tensor | None, shape: torch.Size) -> Tensor
     masked key's probability is exactly 0, so its K and V meet only zeros), or any row of a
     sequence where a live query may attend to no key (its softmax spreads over the masked keys).
     Padded rows are neither: skipping them is where a padded batch's recompute saves its time.
-    Only the coded recompute skips them: a product over fewer rows may round differently (on this
-    CPU's MKL, float32 with 1-3 rows, float64 unless a multiple of 4), and the exact recompute
+    Only the coded recompute skips them: a product over fewer rows may round differently (MKL on
+    an AMD EPYC: float32 with 1-3 rows, float64 unless a multiple of 4), and the exact recompute
     stays bit for bit."""
     if mask is None or mask.dim() != 4 or dout.dim() != 4 or len(shape) != 3:
         return None
