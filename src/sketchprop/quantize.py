@@ -103,20 +103,24 @@ class QuantSpec:
 
 
 def _grouped(a: Tensor, group: int) -> Tensor:
-    """``a`` (``rows x cols``) in float32 as ``rows x groups x group``: the last column repeated up
+    """``a`` (``rows x cols``) in float32 as ``(rows groups) x group``: the last column repeated up
     to whole groups (the padded group's range stays its own). Shaped here, outside the fused
-    function, so that its loops index by a product of sizes, never by a division."""
+    function, so that its loops index by a product of sizes, never by a division. (One dimension
+    of groups, not ``rows x groups``: once the rows are fixed and the columns vary, as over one
+    batch's layers, the compiled code would otherwise take the groups as symbolic and the rows as
+    constant, and index the second half of the draws (:func:`~sketchprop.rng.map_uint16`) by
+    divisions, element by element: 2.2x slower, measured on one CPU thread.)"""
     rows, cols = a.shape
     pad = -cols % group
     x = a.float()
     if pad:
         x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)
-    return x.view(rows, (cols + pad) // group, group)  # no -1: rows may be 0
+    return x.view(rows * ((cols + pad) // group), group)
 
 
 def _grid(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(t, lo, step)``: each value's position on its group's grid (float32, the shape of ``x``,
-    ``rows x groups x group``) and the groups' bfloat16 ends (``rows x groups``)."""
+    ``groups x group``) and the groups' bfloat16 ends (``groups``)."""
     levels = (1 << bits) - 1
     lo_x, hi_x = x.amin(-1), x.amax(-1)
     # Outward rounding (see the module docstring): where rounding to nearest moved an end inward,
@@ -137,15 +141,16 @@ def _grid(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
 @fused
 def _encode(x: Tensor, key: Tensor, bits: int,
             real: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The packed codes of the grouped rows ``x`` (:func:`_grouped`), their groups' ends
-    (bfloat16) and, given ``real`` (``groups x group``: 1 where a column is the input's, 0 where
-    it pads), each row's rounding variance: one fused function
-    (:func:`~sketchprop.compiling.fused`), one pass over the rows."""
+    """The packed codes of the groups ``x`` (:func:`_grouped`), their ends (bfloat16) and, given
+    ``real`` (``groups x group`` of one row: 1 where a column is the input's, 0 where it pads),
+    each row's rounding variance: one fused function (:func:`~sketchprop.compiling.fused`), one
+    pass over the rows."""
     t, lo, step = _grid(x, bits)
     row_var = None
     if real is not None:
         f = t - t.floor()
-        row_var = ((f * (1 - f) * real).sum(-1) * step.float().square()).sum(-1)
+        per_group = (f * (1 - f)).view(-1, *real.shape) * real
+        row_var = (per_group.sum(-1) * step.float().square().view(-1, real.shape[0])).sum(-1)
     levels = (1 << bits) - 1
     codes = map_uint16(lambda t, r: (t + dither_of(r)).floor().clamp(max=levels).to(torch.uint8),
                        t, key, 0)
@@ -167,8 +172,8 @@ def quantize(a: Tensor, bits: int, group: int, seed: int,
     key = torch.tensor(seed ^ _DITHER, dtype=torch.int64, device=a.device)
     real = None
     if variance:
-        real = (torch.arange(x.shape[1] * group, device=a.device) < cols).float()
-        real = real.view(x.shape[1:])
+        groups = spec.groups
+        real = (torch.arange(groups * group, device=a.device) < cols).float().view(groups, group)
     packed, lo, step, row_var = _encode(x, key, bits, real)
     ends = torch.stack([lo, step], dim=-1).reshape(-1).view(torch.uint8)
     return torch.cat([packed, ends]), spec, row_var
