@@ -3,6 +3,7 @@
 reversible, composable with patch_linear, checkpointing and autocast, on BERT and RoBERTa."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -149,16 +150,26 @@ def test_recomputed_attention_is_exact(p):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("case", ["padded", "float mask", "blind query"])
-def test_coded_attention_projects_only_the_rows_backward_reads(case, monkeypatch):
-    """From a code of the block input, backward makes Q, K, V again only for live queries and
-    attendable keys (10 of 12 rows here: the second sequence's two padding rows are neither),
-    unless a live query can attend to no key, whose softmax then reads every key of its sequence
-    (12); the gradients are those of projecting every row, to float rounding. The exact
-    recompute projects every row, and its gradients are those of keeping Q, K, V, bit for bit."""
+def padded_attention(case: str, monkeypatch, rounding=None):
+    """A two-sequence batch for :class:`_ProjectedAttention` whose second sequence has two padding
+    rows, with ``F.linear`` applied row by row (so that a product over fewer rows gives the same
+    bits, whatever BLAS does) or, with ``rounding``, moved one float step where it gets fewer
+    rows than the batch's 12. Returns ``(x, pairs, q, k, v, mask, dout, seed, seen)``, ``seen``
+    the rows of each ``F.linear`` call from then on."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 6, 8, generator=gen)
     pairs = [(torch.randn(8, 8, generator=gen), torch.randn(8, generator=gen)) for _ in range(3)]
+    seen, linear = [], torch.nn.functional.linear
+
+    def by_row(t, w, b=None):
+        flat = t.reshape(-1, t.shape[-1])
+        seen.append(flat.shape[0])
+        out = torch.stack([linear(r, w, b) for r in flat])
+        if rounding and flat.shape[0] < 12:
+            out[0, 0] = out[0, 0].nextafter(torch.tensor(math.inf))
+        return out.view(*t.shape[:-1], -1)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", by_row)
     q, k, v = (act.attention._project(x, w, b, torch.float32, 4).requires_grad_(True)
                for w, b in pairs)
     mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
@@ -169,10 +180,19 @@ def test_coded_attention_projects_only_the_rows_backward_reads(case, monkeypatch
         mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
     dout = torch.randn(2, 2, 6, 4, generator=gen)
     dout[1, :, 4:] = 0  # padding queries get no gradient
-    seed = seed_tensor(7)
-    seen, linear = [], torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear",
-                        lambda t, *a: seen.append(t.numel() // t.shape[-1]) or linear(t, *a))
+    seen.clear()
+    return x, pairs, q, k, v, mask, dout, seed_tensor(7), seen
+
+
+@pytest.mark.parametrize("case", ["padded", "float mask", "blind query"])
+def test_recompute_projects_only_the_rows_backward_reads(case, monkeypatch):
+    """Backward makes Q, K, V again only for live queries and attendable keys (10 of 12 rows here:
+    the second sequence's two padding rows are neither), unless a live query can attend to no key,
+    whose softmax then reads every key of its sequence (12). From the exact block input its
+    gradients are those of keeping Q, K, V, bit for bit; from a code of it, those of projecting
+    every row of the code, to float rounding."""
+    x, pairs, q, k, v, mask, dout, seed, seen = padded_attention(case, monkeypatch)
+    rows = 12 if case == "blind query" else 10
 
     def grads(code=None):
         out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs, code)
@@ -183,15 +203,56 @@ def test_coded_attention_projects_only_the_rows_backward_reads(case, monkeypatch
         act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, 0.3, seed), (q, k, v), dout)
     exact = grads()
     assert all(torch.equal(a, b) for a, b in zip(exact, kept, strict=True))
-    assert seen == [12] * 3
+    assert seen == [rows] * 3
     code = make_code(x, 4, 8, seed=1)
     coded = grads(code)
-    assert seen == [12 if case == "blind query" else 10] * 3
+    assert seen == [rows] * 3
     monkeypatch.setattr(act.attention, "_needed_rows", lambda *a: None)
     every_row = grads(code)
     assert seen == [12] * 3
     for a, b in zip(coded, every_row, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_exact_recompute_makes_every_row_where_fewer_round_otherwise(monkeypatch):
+    """Where a product over the 10 rows backward reads rounds one value otherwise than forward's
+    product over all 12, the fingerprints tell, and Q, K, V are made again from every row: the
+    gradients stay those of keeping Q, K, V, bit for bit. Unchecked, they would not be."""
+    x, pairs, q, k, v, mask, dout, seed, seen = padded_attention("padded", monkeypatch,
+                                                                  rounding=True)
+    kept = torch.autograd.grad(
+        act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, 0.3, seed), (q, k, v), dout)
+
+    def grads():
+        out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs)
+        seen.clear()
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(), kept, strict=True))
+    assert seen == [10] * 3 + [12] * 3
+    monkeypatch.setattr(act.attention, "_same_rows", lambda *a: True)
+    assert not all(torch.equal(a, b) for a, b in zip(grads(), kept, strict=True))
+
+
+def test_fingerprint_sees_one_float_step_in_any_layout():
+    """A row's fingerprint is the same in a batch of other rows and in another layout, and moves
+    when any one of its values moves one float step (every value of a row, each dtype). (Compiled
+    as eager: tests/test_codecs.py.)"""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        t = torch.randn(2, 3, 6, 4, generator=gen).to(dtype).transpose(1, 2)  # (B, H, L, D)
+        prints = act.attention._fingerprint(t)
+        assert prints.shape == (2, 3) and prints.dtype == torch.int64
+        alone = act.attention._fingerprint(t[1:, :, 2:].contiguous())
+        assert torch.equal(alone, prints[1:, 2:])
+        for h in range(6):
+            for d in range(4):
+                moved = t.clone()
+                moved[1, h, 2, d] = moved[1, h, 2, d].nextafter(torch.tensor(-math.inf, dtype=dtype))
+                after = act.attention._fingerprint(moved)
+                assert after[1, 2] != prints[1, 2]
+                after[1, 2] = prints[1, 2]
+                assert torch.equal(after, prints)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +429,8 @@ def test_attention_keeps_the_block_input_not_qkv(family, setup):
     """Q, K, V made again in backward from the block's input give the gradients that keeping them
     gives, bit for bit (dropout on, so the seeded masks must match too), and backward keeps
     exactly three activations of the hidden size fewer per layer when the linears keep their
-    inputs (the exact model's linears already hold the block input)."""
+    inputs (the exact model's linears already hold the block input), less Q's, K's and V's
+    fingerprints (the batch is padded: backward makes only the rows it reads, and checks them)."""
     def build():  # twice, not deepcopy: a copy's skip_padding hook feeds the original's context
         model = MODELS[family](dropout=0.1)
         if setup == "sketch":
@@ -393,7 +455,9 @@ def test_attention_keeps_the_block_input_not_qkv(family, setup):
         model.zero_grad(), ref.zero_grad()
         cfg = model.config
         row = b["input_ids"].numel() * cfg.hidden_size * 4
-        assert saved_bytes(ref, b) - saved_bytes(model, b) == cfg.num_hidden_layers * 3 * row
+        prints = b["input_ids"].numel() * 8  # the padded batch's fingerprint: an int64 per row
+        assert saved_bytes(ref, b) - saved_bytes(model, b) == cfg.num_hidden_layers * 3 * (
+            row - prints)
 
 
 def test_attention_keeps_qkv_when_they_are_not_the_inputs_projections():

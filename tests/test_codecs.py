@@ -9,7 +9,7 @@ import torch
 
 from sketchprop import compiling
 from sketchprop import quantize as q
-from sketchprop.activations import dropout, gelu, norms
+from sketchprop.activations import attention, dropout, gelu, norms
 from sketchprop.activations.seeds import dropout_apply
 
 pytestmark = pytest.mark.compile
@@ -75,6 +75,15 @@ def test_gelu_code_compiled_is_eager_but_for_rare_rounding_flips(approximate):
     assert flips <= n // 10**4, flips
     dy = torch.randn_like(x)
     assert_same(*both(gelu._backward, dy, want, *code.constants("cpu", "decode")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_attention_fingerprints_compiled_are_eager(dtype):
+    """Q's fingerprints (the exact recompute's check of the rows it made: an integer sum, so
+    compiled must give the very same numbers), on forward's (B, H, L, D) view of (B, L, H, D)."""
+    g = torch.Generator().manual_seed(5)
+    t = (torch.randn(3, 7, 4, 16, generator=g) * 5).to(dtype).transpose(1, 2)
+    assert_same(*both(attention._fingerprint, t))
 
 
 @pytest.mark.parametrize("kept", [False, True])
