@@ -5,6 +5,7 @@ thread and all; each codec against a copy of its bytes (the benchmark: ``sketchp
     python scripts/bench_speed.py                          # results/bench/speed_cpu.{json,md}
     python scripts/bench_speed.py --eager-codecs --compile-model
     python scripts/bench_speed.py --quick --out-dir /tmp/speed   # tiny model, seconds
+    python scripts/bench_speed.py --tables-from results/bench/speed_cpu.json  # its tables again
 """
 
 import argparse
@@ -53,8 +54,14 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model and shapes: a smoke test")
     p.add_argument("--out-dir", default=None, help="default results/bench")
     p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--tables-from", metavar="JSON", default=None,
+                   help="time nothing: rebuild that run's statistics and tables from its JSON")
+    args = p.parse_args(argv)
     try:
-        speed.run(p.parse_args(argv))
+        if args.tables_from:
+            speed.retable(args.tables_from)
+        else:
+            speed.run(args)
     except BadArgs as err:
         p.error(str(err))
 

@@ -18,12 +18,15 @@ rounds. Each method has its own copy of the model's modules, patched once, shari
 Parameters, gradients and optimizer: no patching inside the timed step, every method the same
 weights. Reported: the median over rounds of the ratio to ``exact`` and of the ratio to
 ``exact-skip`` (its per-round ratio divided by exact-skip's in the same round), with the range over
-rounds. ``exact-skip`` (exact gradients, padding rows left out of the stored ``X`` and of ``dW``)
-is the fair baseline on padded rows: the 4-bit codes (``int4``: exact-skip whose stored rows are
+rounds, and the geometric mean of the per-round ratios with its 95% t-interval (each round one
+paired sample: the method against the baseline timed seconds apart; n = rounds).
+``exact-skip`` (exact gradients, padding rows left out of the stored ``X`` and of ``dW``) is the
+fair baseline on padded rows: the 4-bit codes (``int4``: exact-skip whose stored rows are
 4-bit codes) and the compact activations should be judged by what they add to it, not credited
 with the padding it skips. Hence the targets (:data:`TARGETS`): on full rows against ``exact``,
-on real rows against ``exact-skip``; "holds" is the median against the limit, "range crosses"
-where the range over rounds lies on both sides of it.
+on real rows against ``exact-skip``; "holds": ``yes`` where the interval lies at or below the
+limit, ``no`` where it lies above, ``unsettled`` where it contains the limit (more rounds, or a
+quieter machine, would settle it).
 
 ``--compile-model``: every method again with ``torch.compile(model)`` on top, in the same rounds,
 against compiled ``exact`` and compiled ``exact-skip``, after a warm-up that lasts until nothing
@@ -54,29 +57,37 @@ Each codec is one fused function, compiled where a compiler works
 (``eager <op>``, :func:`~sketchprop.compiling.eager_codecs`), in the same rounds.
 
 ``scripts/bench_speed.py`` runs it (``make bench-speed``); outputs ``speed_<device>[_quick]<tag>``.
+``--tables-from <json>`` rebuilds a run's statistics, verdicts and tables from its per-round ratios
+alone (:func:`retable`), timing nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import math
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from scipy import stats
 
 from sketchprop import quantize as q
 from sketchprop.activations import gelu, norms
 from sketchprop.activations.gelu import GeluCode
 from sketchprop.activations.seeds import keep_mask
 from sketchprop.compiling import eager_codecs
+from sketchprop.glue.paths import portable
 from sketchprop.measure import usable_cores
 
 from .common import (
     BadArgs,
     environment,
     fmt_table,
+    git_commit,
     interleaved_times,
     parse_list,
     pct,
@@ -149,6 +160,34 @@ def run(args) -> None:
     text = tables(payload)
     stem = f"speed_{dev.type}{'_quick' if args.quick else ''}{args.tag}"
     write_outputs(stem, payload, text, args.out_dir)
+    print("\n" + text)
+
+
+def retable(path: str) -> None:
+    """``--tables-from``: rebuild a run's ratio statistics (:func:`summary`), targets and tables
+    from the per-round ratios its JSON holds, timing nothing (a run made before the statistics
+    changed gets today's); rewrite its JSON and markdown, which say so."""
+    src = Path(path)
+    try:
+        payload = json.loads(src.read_text())
+    except (OSError, ValueError) as err:
+        raise BadArgs(f"--tables-from: cannot read {path}: {err}") from None
+    if not isinstance(payload, dict) or not {"cells", "codecs", "args"} <= payload.keys():
+        raise BadArgs(f"--tables-from: {path} is not the JSON of a speed run")
+
+    def again(node):
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(value, dict) and str(key).startswith("vs_") and "ratios" in value:
+                node[key] = summary(value["ratios"])
+            elif isinstance(value, dict | list):
+                again(value)
+    again(payload["cells"])
+    again(payload["codecs"])
+    payload["targets"] = targets(payload["cells"], payload["codecs"])
+    payload["tables_from"] = {"command": f"python scripts/bench_speed.py --tables-from "
+                                         f"{portable(src)}", "commit": git_commit()}
+    text = tables(payload)
+    write_outputs(src.stem, payload, text, src.parent)
     print("\n" + text)
 
 
@@ -309,8 +348,17 @@ def versus(measured: dict, name: str, ref: str, base: str) -> list[float]:
 
 
 def summary(rs: list[float]) -> dict:
-    """The median of per-round ratios, their range, and the ratios."""
-    return {"ratio": statistics.median(rs), "min": min(rs), "max": max(rs), "ratios": rs}
+    """The median of per-round ratios, their range, the ratios, their number ``n`` and (from two
+    rounds) their geometric ``mean`` with its 95% Student-t interval ``low``-``high`` (the mean of
+    the log-ratios, ``n - 1`` degrees of freedom): each round is one paired sample."""
+    out = {"ratio": statistics.median(rs), "min": min(rs), "max": max(rs), "ratios": rs,
+           "n": len(rs)}
+    if len(rs) >= 2:
+        logs = [math.log(r) for r in rs]
+        mean = statistics.fmean(logs)
+        half = stats.t.ppf(0.975, len(rs) - 1) * statistics.stdev(logs) / math.sqrt(len(rs))
+        out.update(mean=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- codecs
@@ -426,11 +474,17 @@ def codec_rounds(args, dev, dtype, threads: int) -> dict:
 
 # ---------------------------------------------------------------------------------------- tables
 
-def verdict(s: dict, limit: float) -> tuple[bool, str]:
-    """Whether a median ratio meets ``limit``, and the verdict as the tables write it."""
-    ok = s["ratio"] <= limit
-    crosses = s["min"] <= limit < s["max"]
-    return ok, ("yes" if ok else "no") + (" (range crosses)" if crosses else "")
+def verdict(s: dict, limit: float) -> tuple[bool | None, str]:
+    """Whether a ratio meets ``limit``: True where its 95% interval lies at or below it, False
+    where above, None where the interval contains it (or one round measured no spread); and the
+    verdict as the tables write it."""
+    if "low" not in s:
+        return None, "unsettled (one round)"
+    if s["high"] <= limit:
+        return True, "yes"
+    if s["low"] > limit:
+        return False, "no"
+    return None, "unsettled (interval holds the limit)"
 
 
 def targets(cells: list[dict], codecs: dict) -> list[dict]:
@@ -444,8 +498,7 @@ def targets(cells: list[dict], codecs: dict) -> list[dict]:
                 continue
             ok, text = verdict(s, limit)
             out.append({"what": f"{name} / {base}", "cell": cell_label(c), "rows": kind,
-                        "ratio": s["ratio"], "min": s["min"], "max": s["max"], "limit": limit,
-                        "holds": ok, "verdict": text})
+                        **stats_of(s), "limit": limit, "holds": ok, "verdict": text})
     op, base, limit = CODEC_TARGET
     for threads, groups in codecs.items():
         if threads != "1":
@@ -455,9 +508,18 @@ def targets(cells: list[dict], codecs: dict) -> list[dict]:
             if s is not None:
                 ok, text = verdict(s, limit)
                 out.append({"what": f"{op} / {base}", "cell": f"{gname}, 1 thread",
-                            "ratio": s["ratio"], "min": s["min"], "max": s["max"],
-                            "limit": limit, "holds": ok, "verdict": text})
+                            **stats_of(s), "limit": limit, "holds": ok, "verdict": text})
     return out
+
+
+def stats_of(s: dict) -> dict:
+    """A ratio summary's statistics, without the ratios."""
+    return {k: s[k] for k in ("ratio", "min", "max", "n", "mean", "low", "high") if k in s}
+
+
+def mean_text(s: dict) -> str:
+    """``geometric mean [low-high]`` of a ratio summary, or its one ratio."""
+    return f"{r3(s['mean'])} [{s['low']:.3f}-{s['high']:.3f}]" if "low" in s else r3(s["ratio"])
 
 
 def cell_label(c: dict) -> str:
@@ -520,13 +582,19 @@ def codec_table(threads: str, groups: dict, dtype: str) -> str:
 def tables(payload: dict) -> str:
     """The run's markdown: the targets, then each cell's table, then the codec tables."""
     a = payload["args"]
-    rows = [[t["what"], t["cell"], f"{r3(t['ratio'])} ({t['min']:.3f}-{t['max']:.3f})",
+    rows = [[t["what"], t["cell"], mean_text(t), f"{r3(t['ratio'])} ({t['min']:.3f}-{t['max']:.3f})",
              f"<= {t['limit']}", t["verdict"]] for t in payload["targets"]]
-    parts = [fmt_table(["target", "where", "measured (range over rounds)", "limit", "holds"], rows,
-                       f"Speed targets ({a['model']}, autocast {a['autocast']}): median over "
-                       f"{a['rounds']} rounds; 'range crosses': the min-max range over rounds "
-                       f"lies on both sides of the limit")]
+    parts = [fmt_table(["target", "where", "geometric mean [95% interval]", "median (range)",
+                        "limit", "holds"], rows,
+                       f"Speed targets ({a['model']}, autocast {a['autocast']}): per-round ratios "
+                       f"over {a['rounds']} rounds (codecs: {a['codec_rounds']}), each round one "
+                       f"paired sample; holds: yes where the 95% interval lies at or below the "
+                       f"limit, no where above it, unsettled where it holds the limit")]
     parts += [cell_table(c) for c in payload["cells"]]
     dtype = "float32" if a["autocast"] == "none" else str(AUTOCAST[a["autocast"]]).split(".")[1]
     parts += [codec_table(t, groups, dtype) for t, groups in payload["codecs"].items()]
+    again = payload.get("tables_from")
+    if again:
+        parts.append(f"Statistics, verdicts and tables rebuilt from this run's per-round ratios by "
+                     f"`{again['command']}` at commit {again['commit']}.")
     return "\n\n".join(parts)
