@@ -207,7 +207,7 @@ def test_recompute_projects_only_the_rows_backward_reads(case, monkeypatch):
     code = make_code(x, 4, 8, seed=1)
     coded = grads(code)
     assert seen == [rows] * 3
-    monkeypatch.setattr(act.attention, "_needed_rows", lambda *a: None)
+    monkeypatch.setattr(act.attention, "needed_rows", lambda *a: None)
     every_row = grads(code)
     assert seen == [12] * 3
     for a, b in zip(coded, every_row, strict=True):
@@ -230,7 +230,7 @@ def test_exact_recompute_makes_every_row_where_fewer_round_otherwise(monkeypatch
 
     assert all(torch.equal(a, b) for a, b in zip(grads(), kept, strict=True))
     assert seen == [10] * 3 + [12] * 3
-    monkeypatch.setattr(act.attention, "_same_rows", lambda *a: True)
+    monkeypatch.setattr(act.attention, "same_rows", lambda *a: True)
     assert not all(torch.equal(a, b) for a, b in zip(grads(), kept, strict=True))
 
 
@@ -241,15 +241,15 @@ def test_fingerprint_sees_one_float_step_in_any_layout():
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         t = torch.randn(2, 3, 6, 4, generator=gen).to(dtype).transpose(1, 2)  # (B, H, L, D)
-        prints = act.attention._fingerprint(t)
+        prints = act.rows.fingerprint(t)
         assert prints.shape == (2, 3) and prints.dtype == torch.int64
-        alone = act.attention._fingerprint(t[1:, :, 2:].contiguous())
+        alone = act.rows.fingerprint(t[1:, :, 2:].contiguous())
         assert torch.equal(alone, prints[1:, 2:])
         for h in range(6):
             for d in range(4):
                 moved = t.clone()
                 moved[1, h, 2, d] = moved[1, h, 2, d].nextafter(torch.tensor(-math.inf, dtype=dtype))
-                after = act.attention._fingerprint(moved)
+                after = act.rows.fingerprint(moved)
                 assert after[1, 2] != prints[1, 2]
                 after[1, 2] = prints[1, 2]
                 assert torch.equal(after, prints)

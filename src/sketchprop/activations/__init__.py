@@ -22,7 +22,8 @@ part the model has); each module's docstring says what its part keeps and why:
   (``mlp=``).
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
 - shared by several parts: :mod:`~sketchprop.activations.seeds` (seeds and dropout masks),
-  :mod:`~sketchprop.activations.projections` (projections made again in backward), and, with
+  :mod:`~sketchprop.activations.projections` (projections made again in backward),
+  :mod:`~sketchprop.activations.rows` (the rows the attention's backward reads, checked), and, with
   the b-bit codes of :mod:`sketchprop.quantize`, :mod:`sketchprop.packing` (bit packing).
 
 **Eval mode.** Dropout is off and :class:`CompactGELU` is the exact GELU (it keeps its input):

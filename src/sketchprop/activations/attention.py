@@ -8,25 +8,22 @@ dropout mask) in backward, as Megatron-LM's selective recomputation does (Korthi
 block's input, from which backward makes Q, K and V again with the projections' weights: one
 activation of the hidden size instead of three, for a second Q/K/V projection in backward
 (where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
-Exact, bit for bit. On a padded batch backward projects only the rows it reads
-(:func:`_needed_rows`), and checks them against a fingerprint of forward's Q, K, V
-(:func:`_fingerprint`: an int64 per row and projection, kept beside the input; two differing
-rows share one with a chance of about 2^-31): a product
-over fewer rows may round differently (MKL on an AMD EPYC: float32 with 1-3 rows, or with 5-11
-on two threads; float64 unless a multiple of 4), and where any checked row differs, every row
-is projected again, as forward did. On CUDA it calls PyTorch's ``scaled_dot_product_attention``,
+Exact, bit for bit: on a padded batch backward projects only the rows it reads, and checks them
+against fingerprints of forward's Q, K, V (:mod:`~sketchprop.activations.rows`; every row again
+where they differ). On CUDA it calls PyTorch's ``scaled_dot_product_attention``,
 whose memory-efficient and flash kernels already keep no probabilities (but keep Q, K and V).
 
 **Coded** (``attention="coded"``, the lean preset): the block's input is kept as its ``b``-bit
 code, the one its LayerNorm filed or one made by :class:`CodeAttentionInput` (and shared with the
 Q, K, V projections' codes: :mod:`sketchprop.codes`), and backward makes Q, K and V again from the
-decoded input, only for the rows backward reads (:func:`_needed_rows`: not a padded batch's
-padding rows). Not exact: the recomputed probabilities differ from forward's, and the gradients
-of Q, K, V carry their error (a bias, as the softmax is not linear); both measured by
-``scripts/lean_check.py``. Coded, a Llama-style block (``q_proj``, ``k_proj``, ``v_proj`` and
-rotary ``position_embeddings``: :func:`has_rope_projections`) is made again too: Q and K rotated
-with the call's ``cos, sin`` (saved, one pair shared by every layer), checked bit for bit against
-forward's on the first call; a call with a cache that already held keys keeps Q, K and V.
+decoded input, only for the rows backward reads (not a padded batch's padding rows:
+:func:`~sketchprop.activations.rows.needed_rows`). Not exact: the recomputed probabilities differ
+from forward's, and the gradients of Q, K, V carry their error (a bias, as the softmax is not
+linear); both measured by ``scripts/lean_check.py``. Coded, a Llama-style block (``q_proj``,
+``k_proj``, ``v_proj`` and rotary ``position_embeddings``: :func:`has_rope_projections`) is made
+again too: Q and K rotated with the call's ``cos, sin`` (saved, one pair shared by every layer),
+checked bit for bit against forward's on the first call; a call with a cache that already held keys
+keeps Q, K and V.
 
 Attention (grouped K/V heads, rotary embeddings) goes through
 :func:`recompute_attention`, which keeps the rotated Q and K and the
@@ -44,10 +41,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..codes import SharedCode, code_of, make_code
-from ..compiling import eager_island, fused
+from ..compiling import eager_island
 from ..functional import first_order, seed_tensor
 from ..rng import SeedStream
 from .projections import _linear_weights, forward_hooks_on
+from .rows import fingerprints, needed_rows, padded, same_rows
 from .seeds import _draw_seed, _drop_threshold, keep_mask
 
 #: ``attention=`` values.
@@ -134,74 +132,6 @@ class _RecomputedAttention(torch.autograd.Function):
         return *_attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed)), *[None] * 4
 
 
-def _needed_rows(dout: Tensor, mask: Tensor | None, shape: torch.Size) -> Tensor | None:
-    """The rows (flat indices into the ``B * L`` rows of the block input, of shape ``shape``) whose
-    Q, K or V backward reads, or None for all of them. A row is read when it is a live query
-    (a nonzero output gradient), a key that some query may attend to (the mask allows it; a
-    masked key's probability is exactly 0, so its K and V meet only zeros), or any row of a
-    sequence where a live query may attend to no key (its softmax spreads over the masked keys).
-    Padded rows are neither: skipping them is where a padded batch's recompute saves its time
-    (the exact recompute checks the rows it made against forward's: :func:`_fingerprint`)."""
-    if mask is None or mask.dim() != 4 or dout.dim() != 4 or len(shape) != 3:
-        return None
-    (b, length), (mb, _, mq, mk) = shape[:2], mask.shape
-    if (dout.shape[0], dout.shape[2]) != (b, length) or mk != length or mb not in (1, b) \
-            or mq not in (1, length):
-        return None
-    allowed = _allowed(mask)
-    live = dout.ne(0).any(-1).any(1)  # (B, L) queries
-    key = allowed.any(-2).any(1).expand(b, length)  # keys some query may attend to
-    blind = (~allowed.any(-1)).any(1).expand(b, length)  # queries that may attend to no key
-    needed = live | key | (blind & live).any(-1, keepdim=True)
-    return None if bool(needed.all()) else needed.flatten().nonzero().squeeze(1)
-
-
-def _allowed(mask: Tensor) -> Tensor:
-    """A boolean or additive attention mask as booleans (True: may attend)."""
-    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
-
-
-def _padded(mask: Tensor | None) -> bool:
-    """Whether ``mask`` (``B or 1, H or 1, Lq, Lk``) has a key that no query may attend to (a
-    padded batch's padding): rows that :func:`_needed_rows` may leave out."""
-    return mask is not None and mask.dim() == 4 and not bool(_allowed(mask).any(-2).all())
-
-
-# Fingerprint weights by (words per row, device); below 2^31, so that a row of up to 2^16 16-bit
-# words sums to less than 2^62 in int64: no overflow, which C++ (the compiled sum) leaves undefined.
-_WEIGHTS: dict[tuple, Tensor] = {}
-_MAX_WORDS = 2**16
-
-
-@fused
-def _weighted_words(words: Tensor, weights: Tensor) -> Tensor:
-    return (words.to(torch.int64) * weights).sum((-2, -1))
-
-
-def _fingerprint(t: Tensor) -> Tensor | None:
-    """``(B, H, L, D) -> (B, L)`` int64: per row, the sum of the 16-bit words of its ``H x D``
-    values, each times a fixed weight below 2^31. An integer sum, so one row's fingerprint is the
-    same whatever the batch, layout or compiler around it; a change to one value changes it, and
-    changes to several cancel only where the weights happen to balance them (about 2^-31). None
-    where the values do not lie in rows of whole words (a last dimension with a stride) or a row
-    holds more than 2^16 words."""
-    if t.stride(-1) != 1 or t.shape[1] * t.shape[-1] * t.element_size() // 2 > _MAX_WORDS:
-        return None
-    words = t.transpose(1, 2).view(torch.int16)  # (B, L, H, D * itemsize / 2)
-    key = (tuple(words.shape[-2:]), words.device)
-    weights = _WEIGHTS.get(key)
-    if weights is None:
-        gen = torch.Generator().manual_seed(0)
-        weights = _WEIGHTS[key] = torch.randint(1, 2**31, key[0], generator=gen).to(key[1])
-    return _weighted_words(words, weights)
-
-
-def _fingerprints(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-    """Q's, K's and V's :func:`_fingerprint` stacked (``3, B, L``), or None where one has none."""
-    prints = [_fingerprint(t) for t in (q, k, v)]
-    return None if any(p is None for p in prints) else torch.stack(prints)
-
-
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
              head_dim: int, rope: tuple[Tensor, Tensor] | None = None,
              rows: Tensor | None = None) -> Tensor:
@@ -242,7 +172,7 @@ class _ProjectedAttention(torch.autograd.Function):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
         ctx.rope = rope is not None
-        prints = _fingerprints(q, k, v) if code is None and _padded(mask) else None
+        prints = fingerprints(q, k, v) if code is None and padded(mask) else None
         # Detached views share storage and version counter: an in-place change to x or a weight
         # before backward still raises, and the meter counts x once with the linears' own copy.
         # With a code of x (attention="coded"), its payload in x's place.
@@ -259,24 +189,17 @@ class _ProjectedAttention(torch.autograd.Function):
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
         rope = (cos, sin) if ctx.rope else None
-        rows = None if ctx.code is None and prints is None else _needed_rows(dout, mask, x.shape)
+        rows = None if ctx.code is None and prints is None else needed_rows(dout, mask, x.shape)
 
         def project(rows):
             return [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None, rows)
                     for i, (w, b) in enumerate(zip(weights[0::2], weights[1::2], strict=True))]
         with torch.autocast(x.device.type, enabled=False):
             qkv = project(rows)
-            if rows is not None and prints is not None and not _same_rows(qkv, prints, rows):
+            if rows is not None and prints is not None and not same_rows(qkv, prints, rows):
                 qkv = project(None)  # a product over fewer rows rounded otherwise: all, as forward
         grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
         return *grads, *[None] * 8
-
-
-def _same_rows(qkv: list[Tensor], prints: Tensor, rows: Tensor) -> bool:
-    """Whether Q, K, V made again match forward's fingerprints ``prints`` on the flat ``rows``."""
-    made = _fingerprints(*qkv)
-    return made is not None and torch.equal(made.flatten(1).index_select(1, rows),
-                                            prints.flatten(1).index_select(1, rows))
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
