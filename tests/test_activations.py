@@ -253,6 +253,9 @@ def test_fingerprint_sees_one_float_step_in_any_layout():
                 assert after[1, 2] != prints[1, 2]
                 after[1, 2] = prints[1, 2]
                 assert torch.equal(after, prints)
+    # no whole 16-bit words per row: no fingerprint (the rows are then all made again), no error
+    assert act.rows.fingerprint(torch.zeros(1, 1, 2, 3, dtype=torch.int8)) is None
+    assert act.rows.fingerprint(torch.zeros(1, 1, 2, 6)[..., ::2]) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,11 +66,13 @@ def _weighted_words(words: Tensor, weights: Tensor) -> Tensor:
 def fingerprint(t: Tensor) -> Tensor | None:
     """``(B, H, L, D) -> (B, L)`` int64: per row, the sum of the 16-bit words of its ``H x D``
     values, each times a fixed weight below 2^31. An integer sum, so one row's fingerprint is the
-    same whatever the batch, layout or compiler around it; a change to one value changes it, and
-    changes to several cancel only where the weights happen to balance them (about 2^-31). None
-    where the values do not lie in rows of whole words (a last dimension with a stride) or a row
+    same whatever the batch, layout or compiler around it. A value moved by a float step (any
+    change within one of its words) changes it; larger changes, and changes to several values,
+    go unseen only where the weights happen to balance them (about 2^-31). None where the values
+    do not lie in rows of whole words (a last dimension with a stride, 1-byte values) or a row
     holds more than 2^16 words."""
-    if t.stride(-1) != 1 or t.shape[1] * t.shape[-1] * t.element_size() // 2 > _MAX_WORDS:
+    if t.stride(-1) != 1 or t.element_size() < 2 \
+            or t.shape[1] * t.shape[-1] * t.element_size() // 2 > _MAX_WORDS:
         return None
     words = t.transpose(1, 2).view(torch.int16)  # (B, L, H, D * itemsize / 2)
     key = (tuple(words.shape[-2:]), words.device)
