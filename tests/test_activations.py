@@ -16,6 +16,7 @@ from transformers import BertConfig, BertForSequenceClassification
 from sketchprop import SKETCHES, patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop import activations as act
 from sketchprop.codes import make_code
+from sketchprop.compiling import fused
 from sketchprop.functional import seed_tensor
 from sketchprop.measure import SavedTensorMeter
 
@@ -67,6 +68,32 @@ def test_pack_unpack_round_trip(bits, n):
     packed = act.pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8) * bits
     assert torch.equal(act.unpack_codes(packed, bits, n), codes)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_packed_bytes_follow_the_documented_layout(bits, compiled):
+    # Code j of a run of eight at bits [bits j, bits (j + 1)) of the run's bytes read as one
+    # little-endian number, whatever word type packs or unpacks it; a slice that does not start
+    # its storage unpacks too.
+    n = 29
+    codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(bits))
+    want = []
+    padded = codes.tolist() + [0] * (-n % 8)
+    for r in range(0, len(padded), 8):
+        number = sum(c << (bits * j) for j, c in enumerate(padded[r:r + 8]))
+        want += list(number.to_bytes(bits, "little"))
+    pack, unpack = act.pack_codes, act.unpack_codes
+    if compiled:
+        pack = fused(lambda c, b: act.pack_codes(c, b))
+        unpack = fused(lambda p, b, m: act.unpack_codes(p, b, m))
+    packed = pack(codes, bits)
+    assert packed.tolist() == want
+    assert torch.equal(unpack(packed, bits, n), codes)
+    if not compiled:
+        shifted = torch.cat([packed.new_zeros(1), packed])[1:]
+        assert torch.equal(unpack(shifted, bits, n), codes)
 
 
 def test_keep_mask_rate_and_reproducibility():
