@@ -86,8 +86,7 @@ def test_packed_bytes_follow_the_documented_layout(bits, compiled):
         want += list(number.to_bytes(bits, "little"))
     pack, unpack = act.pack_codes, act.unpack_codes
     if compiled:
-        pack = fused(lambda c, b: act.pack_codes(c, b))
-        unpack = fused(lambda p, b, m: act.unpack_codes(p, b, m))
+        pack, unpack = fused(pack), fused(unpack)
     packed = pack(codes, bits)
     assert packed.tolist() == want
     assert torch.equal(unpack(packed, bits, n), codes)
