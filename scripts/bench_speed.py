@@ -11,7 +11,7 @@ thread and all; each codec against a copy of its bytes (the benchmark: ``sketchp
 import argparse
 
 from sketchprop.bench import speed
-from sketchprop.bench.common import BadArgs, default_glue_dir
+from sketchprop.bench.common import ALLOCATORS, BadArgs, default_glue_dir
 from sketchprop.bench.models import AUTOCAST, TASKS
 from sketchprop.quantize import BITS, DEFAULT_GROUP
 
@@ -37,6 +37,9 @@ def main(argv=None) -> None:
     p.add_argument("--every", type=int, default=3, help="methods between exact's steps")
     p.add_argument("--autocast", default="none", choices=sorted(AUTOCAST),
                    help="forward passes and codec inputs in this dtype (default: none, float32)")
+    p.add_argument("--allocator", default="keep", choices=ALLOCATORS,
+                   help="keep: the C allocator keeps the pages it faulted in (default; glibc); "
+                        "default: glibc as it is, returning large freed blocks to the OS")
     p.add_argument("--compile-model", action="store_true",
                    help="also every method under torch.compile(model), against compiled exact")
     p.add_argument("--codec-rows", type=int, default=807)

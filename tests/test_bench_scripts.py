@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -18,7 +19,7 @@ import torch
 
 from sketchprop.bench import bits_cost, equal_bytes, memory_table, models, speed
 from sketchprop.bench import sketch_variance as sv
-from sketchprop.bench.common import default_glue_dir, r3
+from sketchprop.bench.common import default_glue_dir, r3, set_allocator
 from sketchprop.sketches import SKETCHES, BlockSRHT
 from sketchprop.variance import expected_variance
 
@@ -228,6 +229,7 @@ def test_bench_speed_quick(tmp_path):
     md = (tmp_path / "speed_cpu_quick.md").read_text()
     cells = {c["rows"]: c for c in data["cells"]}
     assert [(c["batch"], c["seq"], c["threads"]) for c in data["cells"]] == [(4, 64, 1)] * 2
+    assert f"allocator {data['environment']['allocator']}, " in md.splitlines()[1]
     assert cells["full"]["info"]["real_fraction"] == 1.0 > cells["real"]["info"]["real_fraction"]
     for c in cells.values():
         ms = c["methods"]
@@ -290,6 +292,35 @@ def test_bench_speed_bad_input_fails_before_work(tmp_path, bad, message):
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert proc.returncode == 2 and message in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+FAULTS_AFTER_FREE = """
+import resource, sys, torch
+from sketchprop.bench.common import set_allocator
+print(set_allocator(sys.argv[1]))
+for _ in range(6):  # each pass allocates what the one before freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 * 2**20)  # 64 MiB, written: every page faulted in, then freed
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_set_allocator_keep_reuses_freed_pages():
+    """``keep``: blocks freed and allocated again are not faulted in again (64 MiB: 16384 pages of
+    4 KiB; the first passes may place a block beside a small allocation that took the freed
+    block's start, and fault a second one; after that the heap holds both); glibc's default
+    hands each block back to the OS, so every pass faults all its pages again."""
+    faults = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", FAULTS_AFTER_FREE, mode], capture_output=True,
+                             text=True, timeout=120, check=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")}).stdout.split()
+        assert out[0] == mode
+        faults[mode] = [int(n) for n in out[-3:]]  # the last three passes
+    assert sum(faults["keep"]) < 16384 and min(faults["default"]) > 8000, faults
+    with pytest.raises(ValueError, match="allocator must be one of keep, default"):
+        set_allocator("cache")
 
 
 def test_bench_speed_reports_a_failed_compile_and_skips_it_later():

@@ -28,6 +28,13 @@ on real rows against ``exact-skip``; "holds": ``yes`` where the interval lies at
 limit, ``no`` where it lies above, ``unsettled`` where it contains the limit (more rounds, or a
 quieter machine, would settle it).
 
+**The allocator.** By default (``--allocator keep``) the C allocator keeps every page it has
+faulted in (:func:`~sketchprop.bench.common.set_allocator`), as PyTorch's caching allocator does
+on CUDA. glibc's own setting (``--allocator default``) returns large freed blocks to the OS and
+faults them in again, zeroed, at the next step: then a step's time also depends on how much the
+step before it freed (in these interleaved rounds, another method's), and a method that stores
+more pays more page faults, a cost that is the allocator's, not the method's.
+
 ``--compile-model``: every method again with ``torch.compile(model)`` on top, in the same rounds,
 against compiled ``exact`` and compiled ``exact-skip``, after a warm-up that lasts until nothing
 compiles any more (:func:`time_cell`; the tables say how long that took and whether anything
@@ -92,6 +99,7 @@ from .common import (
     parse_list,
     pct,
     r3,
+    set_allocator,
     setup_device,
     write_outputs,
 )
@@ -147,9 +155,10 @@ def run(args) -> None:
         args.rounds, args.codec_rounds, args.inner = min(args.rounds, 2), min(args.codec_rounds, 3), 1
         args.codec_rows, args.codec_cols, args.out_features = 37, 256, 64
         args.gelu_shape, args.mask_shape, args.norm_shape = "64x256", "2x4x32x32", "64x96"
+    allocator = set_allocator(args.allocator)
     quiet_deprecations()
     dev = setup_device(args.device, threads[0])
-    env = environment(dev)
+    env = {**environment(dev), "allocator": allocator}
     dtype = AUTOCAST[args.autocast]
     t0 = time.perf_counter()
     cells = step_grid(args, dev, dtype, methods, shapes, rows, threads)
