@@ -239,6 +239,7 @@ def test_bench_speed_quick(tmp_path):
         skip = ms["exact-skip"]["vs_exact"]["ratios"]
         for name, m in ms.items():
             assert m["median_s"] == statistics.median(m["samples_s"]) > 0
+            assert m["page_faults"] >= 0
             for s in (m["vs_exact"], m["vs_skip"]):
                 assert s["ratio"] == statistics.median(s["ratios"])
                 assert s["min"] <= s["ratio"] <= s["max"]
@@ -256,6 +257,9 @@ def test_bench_speed_quick(tmp_path):
         assert f"| {r3(t['mean'])} [{t['low']:.3f}-{t['high']:.3f}] | {r3(t['ratio'])} " \
             f"({t['min']:.3f}-{t['max']:.3f}) | <= {t['limit']} | {t['verdict']} |" in md
     assert "| exact | " in md and "| 1.000 (1.000-1.000) |" in md and "| x exact-skip |" in md
+    exact = cells["full"]["methods"]["exact"]
+    assert (f"| exact | {exact['median_s']:.3f} | 1.000 (1.000-1.000) | "
+            f"{speed.ratio_text(exact['vs_skip'])} | {exact['page_faults']:.0f} |  |  |") in md
     (codec,) = [t for t in data["targets"] if t["what"] == "quantize+dequantize / dW product"]
     assert codec["cell"].endswith("1 thread")
     groups = data["codecs"]["1"]

@@ -4,7 +4,8 @@ The README's prose is written by hand; every number in it sits between markers
 ``<!-- BEGIN name -->`` and ``<!-- END name -->`` and is regenerated here from the JSON files the
 benchmark scripts wrote (``results/bench/*.json``). Blocks:
 
-- ``runs``: each run's command, hardware, torch threads, load average at start and end, commit;
+- ``runs``: each run's command, hardware, torch threads, C allocator setting (``default`` for the
+  runs made before a benchmark could set it), load average at start and end, commit;
 - ``targets``: every speed and memory target of the benchmarks with the measured value and met /
   missed; a time target whose range crosses its limit is "unsettled" (met or missed by the median
   alone, within the run's noise): the interquartile range of the bracketed ratios for the
@@ -56,9 +57,10 @@ def runs_block(d: Path) -> str:
             continue
         env = json.loads(p.read_text()).get("environment", {})
         rows.append([f"`{p.stem}`", f"`{env.get('command', '')}`", env.get("cpu", ""),
-                     env.get("torch_threads", ""), env.get("loadavg_start", ""),
+                     env.get("torch_threads", ""), env.get("allocator", "default").split()[0],
+                     env.get("loadavg_start", ""),
                      env.get("loadavg_end", ""), env.get("time", ""), env.get("git_commit", "")])
-    return fmt_table(["run", "command", "CPU", "threads", "load at start (1/5/15 min)",
+    return fmt_table(["run", "command", "CPU", "threads", "allocator", "load at start (1/5/15 min)",
                       "load at end", "started", "commit"], rows)
 
 

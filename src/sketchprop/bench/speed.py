@@ -33,7 +33,9 @@ faulted in (:func:`~sketchprop.bench.common.set_allocator`), as PyTorch's cachin
 on CUDA. glibc's own setting (``--allocator default``) returns large freed blocks to the OS and
 faults them in again, zeroed, at the next step: then a step's time also depends on how much the
 step before it freed (in these interleaved rounds, another method's), and a method that stores
-more pays more page faults, a cost that is the allocator's, not the method's.
+more pays more page faults, a cost that is the allocator's, not the method's. Each cell's table
+gives every method's page faults per step (the median over its calls), which show the setting at
+work.
 
 ``--compile-model``: every method again with ``torch.compile(model)`` on top, in the same rounds,
 against compiled ``exact`` and compiled ``exact-skip``, after a warm-up that lasts until nothing
@@ -74,6 +76,7 @@ import contextlib
 import copy
 import json
 import math
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -288,15 +291,33 @@ def step_grid(args, dev, dtype, methods, shapes, rows, threads) -> list[dict]:
             for kind in rows:
                 batch, info = batch_for(model, kind, bsz, seq, args)
                 batch = to_device(batch, dev)
-                fns = {name: make_step(mod, batch, opt, dtype) for name, mod in mods.items()}
+                faults = {}
+                fns = {name: counting_faults(make_step(mod, batch, opt, dtype),
+                                             faults.setdefault(name, []))
+                       for name, mod in mods.items()}
                 for n in threads:
                     torch.set_num_threads(n)
                     print(f"\n=== {bsz}x{seq} {kind} rows ({pct(info['real_fraction'])} real), "
                           f"{n} thread(s) ===", flush=True)
                     cell = {"batch": bsz, "seq": seq, "rows": kind, "threads": n, "info": info}
+                    for counts in faults.values():
+                        counts.clear()
                     cell.update(time_cell(fns, dev, args, dead))
+                    for name, rec in cell["methods"].items():
+                        rec["page_faults"] = statistics.median(faults[name])
                     cells.append(cell)
     return cells
+
+
+def counting_faults(fn, counts: list):
+    """``fn``, appending to ``counts`` the page faults of this process (minor: pages the OS
+    mapped, and zeroed, for it) during each call: what a step pays for memory the allocator
+    handed back to the OS (:func:`~sketchprop.bench.common.set_allocator`)."""
+    def call():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fn()
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return call
 
 
 def time_cell(fns: dict, dev, args, dead: dict) -> dict:
@@ -547,13 +568,16 @@ def cell_table(c: dict) -> str:
     for name, rec in c["methods"].items():
         base, limit = TARGETS.get((c["rows"], name), (None, None))
         s = rec.get("vs_exact" if base == "exact" else "vs_skip") if base else None
+        faults = rec.get("page_faults")  # runs before it was counted have none
         rows.append([name, f"{rec['median_s']:.3f}", ratio_text(rec.get("vs_exact")),
-                     ratio_text(rec.get("vs_skip")),
+                     ratio_text(rec.get("vs_skip")), "" if faults is None else f"{faults:.0f}",
                      f"<= {limit} x {base}" if base else "", verdict(s, limit)[1] if s else ""])
-    rows += [[name, reason.replace("|", "/"), "", "", "", ""] for name, reason in c["failed"].items()]
+    rows += [[name, reason.replace("|", "/"), "", "", "", "", ""]
+             for name, reason in c["failed"].items()]
     title = (f"{cell_label(c)}: one training step, median s over rounds; median ratio over rounds "
-             f"(min-max)")
-    text = fmt_table(["method", "step s", "x exact", "x exact-skip", "target", "holds"], rows, title)
+             f"(min-max); page faults, median per step")
+    text = fmt_table(["method", "step s", "x exact", "x exact-skip", "page faults", "target",
+                      "holds"], rows, title)
     ce = c["methods"].get(COMPILED + "exact", {}).get("vs_eager_exact")
     if ce:
         warm = ", ".join(f"{n.removeprefix(COMPILED)} {r['warm_calls']}"
