@@ -13,6 +13,7 @@ import ctypes.util
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,54 @@ def set_allocator(mode: str) -> str:
     if not (libc.mallopt(_M_TRIM_THRESHOLD, -1) and libc.mallopt(_M_MMAP_MAX, 0)):
         raise RuntimeError("glibc's mallopt refused the keep setting")
     return "keep (glibc's mallopt: no heap trimming, no mmap; faulted pages are reused)"
+
+
+def parse_shapes(text: str, quick: bool) -> list[tuple[int, int]]:
+    """``8x128,16x128`` as ``[(8, 128), (16, 128)]``; ``quick`` clamps them to at most 4 x 64
+    (duplicates dropped): long enough that real rows have padding."""
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in parse_list(text)]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise BadArgs(f"--shapes must be BATCHxSEQ[,BATCHxSEQ...], got {text!r}")
+    if quick:
+        shapes = [(min(b, 4), min(s, 64)) for b, s in shapes]
+    return list(dict.fromkeys(shapes))
+
+
+def parse_threads(text: str) -> list[int]:
+    """``1,all`` as thread counts; ``all`` is every core this process may use."""
+    out = []
+    for v in parse_list(text):
+        if v != "all" and not (v.isdigit() and int(v) >= 1):
+            raise BadArgs(f"--threads must be positive counts or 'all', got {text!r}")
+        out.append(usable_cores() if v == "all" else int(v))
+    if not out:
+        raise BadArgs("--threads names no thread count")
+    return list(dict.fromkeys(out))
+
+
+def shape_of(text: str) -> tuple[int, ...]:
+    """``16x12x128x128`` as a tuple."""
+    try:
+        shape = tuple(int(v) for v in text.split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise BadArgs(f"a shape is NxMx... in positive integers, got {text!r}")
+    return shape
+
+
+def counting_faults(fn, counts: list):
+    """``fn``, appending to ``counts`` the page faults of this process (minor: pages the OS
+    mapped, and zeroed, for it) during each call: what a step pays for memory the allocator
+    handed back to the OS (:func:`~sketchprop.bench.common.set_allocator`)."""
+    def call():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fn()
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return call
 
 
 def sync(dev: torch.device) -> None:

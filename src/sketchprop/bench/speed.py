@@ -76,7 +76,6 @@ import contextlib
 import copy
 import json
 import math
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -91,19 +90,22 @@ from sketchprop.activations.gelu import GeluCode
 from sketchprop.activations.seeds import keep_mask
 from sketchprop.compiling import eager_codecs
 from sketchprop.glue.paths import portable
-from sketchprop.measure import usable_cores
 
 from .common import (
     BadArgs,
+    counting_faults,
     environment,
     fmt_table,
     git_commit,
     interleaved_times,
     parse_list,
+    parse_shapes,
+    parse_threads,
     pct,
     r3,
     set_allocator,
     setup_device,
+    shape_of,
     write_outputs,
 )
 from .model_step import quiet_deprecations
@@ -203,32 +205,6 @@ def retable(path: str) -> None:
     print("\n" + text)
 
 
-def parse_shapes(text: str, quick: bool) -> list[tuple[int, int]]:
-    """``8x128,16x128`` as ``[(8, 128), (16, 128)]``; ``quick`` clamps them to at most 4 x 64
-    (duplicates dropped): long enough that real rows have padding."""
-    try:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in parse_list(text)]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise BadArgs(f"--shapes must be BATCHxSEQ[,BATCHxSEQ...], got {text!r}")
-    if quick:
-        shapes = [(min(b, 4), min(s, 64)) for b, s in shapes]
-    return list(dict.fromkeys(shapes))
-
-
-def parse_threads(text: str) -> list[int]:
-    """``1,all`` as thread counts; ``all`` is every core this process may use."""
-    out = []
-    for v in parse_list(text):
-        if v != "all" and not (v.isdigit() and int(v) >= 1):
-            raise BadArgs(f"--threads must be positive counts or 'all', got {text!r}")
-        out.append(usable_cores() if v == "all" else int(v))
-    if not out:
-        raise BadArgs("--threads names no thread count")
-    return list(dict.fromkeys(out))
-
-
 # ----------------------------------------------------------------------------------------- steps
 
 def batch_for(model, kind: str, bsz: int, seq: int, args) -> tuple[dict, dict]:
@@ -309,17 +285,6 @@ def step_grid(args, dev, dtype, methods, shapes, rows, threads) -> list[dict]:
     return cells
 
 
-def counting_faults(fn, counts: list):
-    """``fn``, appending to ``counts`` the page faults of this process (minor: pages the OS
-    mapped, and zeroed, for it) during each call: what a step pays for memory the allocator
-    handed back to the OS (:func:`~sketchprop.bench.common.set_allocator`)."""
-    def call():
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        fn()
-        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return call
-
-
 def time_cell(fns: dict, dev, args, dead: dict) -> dict:
     """One cell's rounds against ``exact``. Compiled functions are warmed up first, each alone
     (:func:`warm_compiled`; a failure is recorded in ``dead`` and the function left out of this
@@ -392,17 +357,6 @@ def summary(rs: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- codecs
-
-def shape_of(text: str) -> tuple[int, ...]:
-    """``16x12x128x128`` as a tuple."""
-    try:
-        shape = tuple(int(v) for v in text.split("x"))
-    except ValueError:
-        shape = ()
-    if not shape or min(shape) < 1:
-        raise BadArgs(f"a shape is NxMx... in positive integers, got {text!r}")
-    return shape
-
 
 def codec_groups(args, dev, dtype) -> dict[str, tuple[str, dict]]:
     """``{group: (baseline, {op: fn})}``: the codec functions of each group, each a call of no
