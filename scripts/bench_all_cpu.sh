@@ -58,6 +58,8 @@ declare -A RUNS=(
     [speed_compile]="scripts/bench_speed.py --methods exact,exact-skip,int4,compact,int4+compact,int4+lean --shapes 8x128 --rows full --threads 1 --compile-model --tag _compile"
     # every shape, row kind and thread count, eager only (4 rounds): about 1 h
     [speed_full]="scripts/bench_speed.py --eager-codecs --rounds 4 --tag _full"
+    # glibc's own allocator setting (freed pages go back to the OS) beside the default, pages kept: about 30 min
+    [speed_glibc]="scripts/bench_speed.py --shapes 8x128 --threads 1 --rounds 8 --eager-codecs --allocator default --tag _glibc"
     # one thread and every core by itself (--threads 1,all), eager and compiled: about 2.5 h
     [speed]="scripts/bench_speed.py --eager-codecs --compile-model"
 )
@@ -66,7 +68,7 @@ ORDER=(layer layer_t2 roberta_time roberta_gauss roberta_ckpt roberta_ckpt2 robe
        roberta_compact_bytes roberta_compact_time roberta_compact_alone_time roberta_lnout_time
        roberta_bits_time roberta_fair minilm_fair bits_cost gelu_bits equal_bytes decoders_llama decoders_llama_lean decoders_llama_lora decoders_time
        decoders_llama_lora_time
-       decoders_gpt2 decoders_gpt2_lora decoders_gpt2_time saved_full saved_lean lean_check roberta_lean_time roberta_lean_time_full roberta_lean_ckpt_full speed_lean speed_compile speed_full speed)
+       decoders_gpt2 decoders_gpt2_lora decoders_gpt2_time saved_full saved_lean lean_check roberta_lean_time roberta_lean_time_full roberta_lean_ckpt_full speed_lean speed_compile speed_full speed_glibc speed)
 if [[ $# -gt 0 ]]; then ORDER=("$@"); fi
 
 for name in "${ORDER[@]}"; do
