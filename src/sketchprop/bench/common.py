@@ -102,9 +102,9 @@ def set_allocator(mode: str) -> str:
         raise BadArgs(f"allocator must be one of {', '.join(ALLOCATORS)}, got {mode!r}")
     if mode == "default":
         return "default (glibc's: large freed blocks go back to the OS)"
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if platform.libc_ver()[0] != "glibc" or not hasattr(libc, "mallopt"):
+    if platform.libc_ver()[0] != "glibc":
         return "default (not glibc: the keep setting is glibc's mallopt)"
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
     if not (libc.mallopt(_M_TRIM_THRESHOLD, -1) and libc.mallopt(_M_MMAP_MAX, 0)):
         raise RuntimeError("glibc's mallopt refused the keep setting")
     return "keep (glibc's mallopt: no heap trimming, no mmap; faulted pages are reused)"
@@ -150,7 +150,7 @@ def shape_of(text: str) -> tuple[int, ...]:
 def counting_faults(fn, counts: list):
     """``fn``, appending to ``counts`` the page faults of this process (minor: pages the OS
     mapped, and zeroed, for it) during each call: what a step pays for memory the allocator
-    handed back to the OS (:func:`~sketchprop.bench.common.set_allocator`)."""
+    handed back to the OS (:func:`set_allocator`)."""
     def call():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         fn()

@@ -28,14 +28,11 @@ on real rows against ``exact-skip``; "holds": ``yes`` where the interval lies at
 limit, ``no`` where it lies above, ``unsettled`` where it contains the limit (more rounds, or a
 quieter machine, would settle it).
 
-**The allocator.** By default (``--allocator keep``) the C allocator keeps every page it has
-faulted in (:func:`~sketchprop.bench.common.set_allocator`), as PyTorch's caching allocator does
-on CUDA. glibc's own setting (``--allocator default``) returns large freed blocks to the OS and
-faults them in again, zeroed, at the next step: then a step's time also depends on how much the
-step before it freed (in these interleaved rounds, another method's), and a method that stores
-more pays more page faults, a cost that is the allocator's, not the method's. Each cell's table
-gives every method's page faults per step (the median over its calls), which show the setting at
-work.
+**The allocator.** ``--allocator keep`` (the default) has the C allocator keep the pages it
+faulted in, as PyTorch's caching allocator does on CUDA; ``--allocator default`` leaves glibc's
+setting, under which each step faults in again what the step before freed
+(:func:`~sketchprop.bench.common.set_allocator` says why that matters). Each cell's table gives
+every method's page faults per step (the median over its calls).
 
 ``--compile-model``: every method again with ``torch.compile(model)`` on top, in the same rounds,
 against compiled ``exact`` and compiled ``exact-skip``, after a warm-up that lasts until nothing
