@@ -19,7 +19,7 @@ import torch
 
 from sketchprop.bench import bits_cost, equal_bytes, memory_table, models, speed
 from sketchprop.bench import sketch_variance as sv
-from sketchprop.bench.common import default_glue_dir, r3, set_allocator
+from sketchprop.bench.common import cpu_model, default_glue_dir, r3, set_allocator
 from sketchprop.sketches import SKETCHES, BlockSRHT
 from sketchprop.variance import expected_variance
 
@@ -325,6 +325,28 @@ def test_set_allocator_keep_reuses_freed_pages():
     assert sum(faults["keep"]) < 16384 and min(faults["default"]) > 8000, faults
     with pytest.raises(ValueError, match="allocator must be one of keep, default"):
         set_allocator("cache")
+
+
+LSCPU = "Architecture: x86_64\nModel name:  AMD EPYC\nCPU family:  25\nModel:  17\n" \
+        "L3 cache:  32 MiB (1 instance)\n"
+
+
+@pytest.mark.parametrize("out, expected", [
+    (LSCPU, "AMD EPYC (family 25, model 17, L3 32 MiB)"),
+    ("Model name: Some CPU\n", "Some CPU"),
+])
+def test_cpu_model_keeps_family_and_model_numbers(monkeypatch, out, expected):
+    """A run names the CPU's family and model numbers beside its name: a hypervisor may show only
+    the vendor's name, and runs on two generations must not read as one machine."""
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
+    assert cpu_model() == expected
+
+
+def test_cpu_model_without_lscpu(monkeypatch):
+    def missing(*a, **k):
+        raise FileNotFoundError("lscpu")
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert cpu_model() == (platform.processor() or platform.machine())
 
 
 def test_bench_speed_reports_a_failed_compile_and_skips_it_later():

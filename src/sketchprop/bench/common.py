@@ -165,15 +165,19 @@ def sync(dev: torch.device) -> None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``lscpu``), else what ``platform`` knows."""
+    """The CPU's model name with its family, model number and L3 size (``lscpu``), else what
+    ``platform`` knows. The numbers are kept because a hypervisor may show only a vendor's name
+    ("AMD EPYC"), and two CPU generations under one name time the same code differently."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine()
+        out = ""
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+    if not info.get("Model name"):
+        return platform.processor() or platform.machine()
+    detail = [f"{label} {info[key].split(' (')[0]}" for key, label in
+              (("CPU family", "family"), ("Model", "model"), ("L3 cache", "L3")) if info.get(key)]
+    return info["Model name"] + (f" ({', '.join(detail)})" if detail else "")
 
 
 def git_commit() -> str | None:
