@@ -334,6 +334,7 @@ LSCPU = "Architecture: x86_64\nModel name:  AMD EPYC\nCPU family:  25\nModel:  1
 @pytest.mark.parametrize("out, expected", [
     (LSCPU, "AMD EPYC (family 25, model 17, L3 32 MiB)"),
     ("Model name: Some CPU\n", "Some CPU"),
+    ("Model name: Big core\nModel: 1\nModel name: Little core\nModel: 2\n", "Big core (model 1)"),
 ])
 def test_cpu_model_keeps_family_and_model_numbers(monkeypatch, out, expected):
     """A run names the CPU's family and model numbers beside its name: a hypervisor may show only

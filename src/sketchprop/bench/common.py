@@ -168,11 +168,14 @@ def cpu_model() -> str:
     """The CPU's model name with its family, model number and L3 size (``lscpu``), else what
     ``platform`` knows. The numbers are kept because a hypervisor may show only a vendor's name
     ("AMD EPYC"), and two CPU generations under one name time the same code differently."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
+    try:  # C locale: the labels untranslated
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
         out = ""
-    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+    info: dict[str, str] = {}
+    for key, _, value in (line.partition(":") for line in out.splitlines()):
+        info.setdefault(key.strip(), value.strip())  # the first CPU's, where several are listed
     if not info.get("Model name"):
         return platform.processor() or platform.machine()
     detail = [f"{label} {info[key].split(' (')[0]}" for key, label in
