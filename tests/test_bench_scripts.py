@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sketchprop.bench import bits_cost, equal_bytes, memory_table, models, speed
+from sketchprop.bench import bits_cost, common, equal_bytes, memory_table, models, speed
 from sketchprop.bench import sketch_variance as sv
 from sketchprop.bench.common import cpu_model, default_glue_dir, r3, set_allocator
 from sketchprop.sketches import SKETCHES, BlockSRHT
@@ -341,6 +341,27 @@ def test_cpu_model_keeps_family_and_model_numbers(monkeypatch, out, expected):
     the vendor's name, and runs on two generations must not read as one machine."""
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
     assert cpu_model() == expected
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_dirty_sees_code_not_result_files(tmp_path, monkeypatch):
+    """A run after another in one suite (which rewrote its result files) measured committed code;
+    a changed source file is uncommitted code."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "run.md").write_text("1.0\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    assert common.git_dirty() is False
+    (tmp_path / "results" / "run.md").write_text("2.0\n")
+    assert common.git_dirty() is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert common.git_dirty() is True
 
 
 def test_cpu_model_without_lscpu(monkeypatch):

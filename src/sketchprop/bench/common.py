@@ -194,10 +194,12 @@ def git_commit() -> str | None:
 
 
 def git_dirty() -> bool | None:
-    """Whether tracked files differ from the commit (the run measured uncommitted code)."""
+    """Whether tracked files outside ``results/`` differ from the commit (the run measured
+    uncommitted code). Result files are not code: a suite of runs rewrites them one by one."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              ":(exclude)results"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
         return bool(out.stdout.strip()) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
