@@ -343,6 +343,13 @@ def test_cpu_model_keeps_family_and_model_numbers(monkeypatch, out, expected):
     assert cpu_model() == expected
 
 
+def test_cpu_model_without_lscpu(monkeypatch):
+    def missing(*a, **k):
+        raise FileNotFoundError("lscpu")
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert cpu_model() == (platform.processor() or platform.machine())
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_git_dirty_sees_code_not_result_files(tmp_path, monkeypatch):
     """A run after another in one suite (which rewrote its result files) measured committed code;
@@ -362,13 +369,6 @@ def test_git_dirty_sees_code_not_result_files(tmp_path, monkeypatch):
     assert common.git_dirty() is False
     (tmp_path / "code.py").write_text("x = 2\n")
     assert common.git_dirty() is True
-
-
-def test_cpu_model_without_lscpu(monkeypatch):
-    def missing(*a, **k):
-        raise FileNotFoundError("lscpu")
-    monkeypatch.setattr(subprocess, "run", missing)
-    assert cpu_model() == (platform.processor() or platform.machine())
 
 
 def test_bench_speed_reports_a_failed_compile_and_skips_it_later():
