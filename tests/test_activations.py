@@ -176,6 +176,51 @@ def test_recomputed_attention_is_exact(p):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 7, 7), (2, 3, 7, 7), (2, 1, 1, 7)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_recomputed_attention_passes_the_gradient_of_its_bias(p, shape):
+    """An additive bias (T5's learned relative position bias: one per head, shared by the batch)
+    is added to the scores and gets its gradient, summed over what it was broadcast along."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=gen, dtype=torch.float64).requires_grad_(True)
+               for _ in range(3))
+    bias = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(True)
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
+    mask[1, ..., 5:] = False
+    out = act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, p, seed_tensor(7), bias)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, bias), g)
+    scores = (q @ k.transpose(-1, -2)) * 0.5 + bias
+    probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), -1)
+    if p > 0:
+        probs = probs * act.keep_mask(probs.shape, p, 7, "cpu") * act.seeds._drop_threshold(p)[1]
+    want = torch.autograd.grad(probs @ v, (q, k, v, bias), g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_attention_input_it_would_leave_out_refuses(monkeypatch):
+    """A model whose attention takes an input recompute_attention does not read refuses at patch
+    time, naming it (asked for), or keeps its attention (by default); a floating tensor passed
+    at call time that it does not read raises, naming it."""
+    from transformers.models.bert import modeling_bert
+
+    def eager_with_bias(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        learned_bias=None, **kwargs):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(modeling_bert, "eager_attention_forward", eager_with_bias)
+    with pytest.raises(ValueError, match="takes 'learned_bias'"):
+        patch_activations(tiny_bert(), attention="recompute")
+    model = tiny_bert()
+    assert "bert.encoder.layer.0.attention.self.dropout" in patch_activations(model)
+    assert model.config._attn_implementation != act.ATTENTION_NAME
+    monkeypatch.undo()
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="'alibi'.*pass attention='stored'"):
+        act.recompute_attention(nn.Module(), q, q, q, None, alibi=torch.zeros(1, 2, 3, 3))
+
+
 def padded_attention(case: str, monkeypatch, rounding=None):
     """A two-sequence batch for :class:`_ProjectedAttention` whose second sequence has two padding
     rows, with ``F.linear`` applied row by row (so that a product over fewer rows gives the same

@@ -198,3 +198,46 @@ def test_fitted_gelu_codes_share_one_kernel():
         assert torch.equal(got[1], dy * code.decode(code.encode(gelu.gelu_derivative(x))))
     with torch._dynamo.config.patch(error_on_recompile=True):
         step(codes[2])
+
+
+# Inputs as models hand them over: a slice (a BERT pooler's hidden_states[:, 0]), a transpose,
+# an expanded view, a slice with a column stride, one row, no rows.
+LAYOUTS = {
+    "slice": lambda x: x[:, 0],
+    "transposed": lambda x: x[:, 0].t().contiguous().t(),
+    "expanded": lambda x: x[:1, 0].expand(5, -1),
+    "column-stride": lambda x: x[:, :2, :].transpose(1, 2).reshape(6, -1)[:, ::2],
+    "one-row": lambda x: x[0, 0:1],
+    "no-rows": lambda x: x[0, 0:0],
+}
+
+
+# Eager at three widths (one group, two, a padded last group); compiled at two groups (each
+# layout compiles its own kernels: a minute in all).
+@pytest.mark.parametrize("mode, cols", [("eager", 64), ("eager", 128), ("eager", 200),
+                                        ("compiled", 128)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_codec_takes_any_layout_as_its_contiguous_copy(mode, layout, cols, monkeypatch):
+    """Each codec, given a strided, transposed or expanded input, codes what it codes of the
+    input's contiguous copy, byte for byte (the b-bit rows crashed on a strided input wider than
+    one group)."""
+    monkeypatch.setenv("SKETCHPROP_CODECS", mode)
+    g = torch.Generator().manual_seed(cols)
+    a = LAYOUTS[layout](torch.randn(6, 3, cols, generator=g) * 2)
+    assert a.shape[-1] == cols and (a.shape[0] <= 1 or not a.is_contiguous())
+    c = a.contiguous()
+    key = torch.tensor(9)
+    for bits in q.BITS:
+        got, want = q.quantize(a, bits, 64, seed=3, variance=True), q.quantize(c, bits, 64, seed=3,
+                                                                             variance=True)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=0)  # sums reassociated
+        assert torch.equal(q.dequantize(*got[:2]), q.dequantize(*want[:2]))
+    code = gelu.GeluCode.uniform(2)
+    packed = gelu._encode(a, key, *code.constants("cpu", "encode"), "none")
+    assert torch.equal(packed, gelu._encode(c, key, *code.constants("cpu", "encode"), "none"))
+    assert torch.equal(gelu._backward(a, packed, *code.constants("cpu", "decode")),
+                       gelu._backward(c, packed, *code.constants("cpu", "decode")))
+    assert_same(dropout._packed_forward(a, key, 6554, 1.1), dropout._packed_forward(c, key, 6554,
+                                                                                  1.1))
+    assert torch.equal(dropout_apply(a, key, 6554, 1.1), dropout_apply(c, key, 6554, 1.1))

@@ -300,3 +300,31 @@ def test_payload_bytes_are_pinned_for_a_seed(codecs, monkeypatch):
                                          variance=True)
                 h.update(payload.numpy().tobytes())
     assert h.hexdigest() == PAYLOAD_SHA256
+
+
+# Inputs as a model hands them to a layer: BERT's pooler reads hidden_states[:, 0], a strided
+# slice; transposes, expanded views, column strides, one row, no rows; a 3-D transpose.
+LAYOUTS = {
+    "slice": lambda x: x[:, 0],
+    "transposed": lambda x: x[:, 0].t().contiguous().t(),
+    "expanded": lambda x: x[:1, 0].expand(5, -1),
+    "column-stride": lambda x: torch.cat([x, x], -1)[:, 0, ::2],
+    "one-row": lambda x: x[:1, 0],
+    "no-rows": lambda x: x[:0, 0],
+    "3-d transposed": lambda x: x.transpose(0, 1),
+}
+
+
+@pytest.mark.parametrize("cols", [64, 128, 200])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("sketch", ["exact", "gaussian"])
+def test_coded_layers_take_any_input_layout_as_its_contiguous_copy(sketch, layout, cols):
+    """The same dX, dW, db whether the input is strided or its contiguous copy (the same seed:
+    twin layers), at one code group a row, two, and a padded last group."""
+    x = LAYOUTS[layout](torch.randn(6, 3, cols, generator=torch.Generator().manual_seed(0)))
+    g = torch.randn(*x.shape[:-1], 5, generator=torch.Generator().manual_seed(1))
+    for bits in BITS:
+        got = grads(make_layer(sketch, 0.5, n_in=cols, n_out=5, bits=bits), x, g)
+        want = grads(make_layer(sketch, 0.5, n_in=cols, n_out=5, bits=bits), x.contiguous(), g)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (bits, layout)

@@ -115,7 +115,9 @@ def _grouped(a: Tensor, group: int) -> Tensor:
     x = a.float()
     if pad:
         x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)
-    return x.view(rows * ((cols + pad) // group), group)
+    # reshape, not view: a strided input (a slice, a transpose, an expanded view) is copied here,
+    # where a view could merge rows and groups only for a contiguous one
+    return x.reshape(rows * ((cols + pad) // group), group)
 
 
 def _grid(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:

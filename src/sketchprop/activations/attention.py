@@ -33,6 +33,7 @@ unrepeated K/V heads (``num_key_value_heads`` of them) and recomputes the probab
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import warnings
 
@@ -60,10 +61,12 @@ def _softmax_dtype(q: Tensor) -> torch.dtype:
 
 
 def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p: float,
-                   seed: int) -> tuple[Tensor, Tensor | None]:
-    """Softmax probabilities (in float32 at least) and the dropout keep mask (None when
-    ``p == 0``)."""
+                   seed: int, bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Softmax probabilities (in float32 at least) of ``Q K^T * scaling + bias`` masked, and the
+    dropout keep mask (None when ``p == 0``)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).to(_softmax_dtype(q)).mul_(scaling)
+    if bias is not None:  # an additive bias the model may learn (T5's relative position bias)
+        scores += bias
     if mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
@@ -85,22 +88,31 @@ def _sum_heads(grad: Tensor, heads: int) -> Tensor:
     return grad if grad.shape[1] == heads else grad.unflatten(1, (heads, -1)).sum(2)
 
 
-def _attend(q, k, v, mask, scaling: float, p: float, seed: int) -> Tensor:
-    """``softmax(Q K^T * scaling + mask)``, dropped out, times ``V`` (K and V may have fewer,
-    grouped heads)."""
+def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """``grad`` summed over the dimensions that a tensor of ``shape`` was broadcast along."""
+    lead = grad.dim() - len(shape)
+    dims = [*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)]
+    return (grad.sum(dims, keepdim=True) if dims else grad).reshape(shape)
+
+
+def _attend(q, k, v, mask, scaling: float, p: float, seed: int,
+            bias: Tensor | None = None) -> Tensor:
+    """``softmax(Q K^T * scaling + bias + mask)``, dropped out, times ``V`` (K and V may have
+    fewer, grouped heads)."""
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    probs, keep = _probabilities(q, k, mask, scaling, p, seed)
+    probs, keep = _probabilities(q, k, mask, scaling, p, seed, bias)
     if keep is not None:
         probs.mul_(keep).mul_(_drop_threshold(p)[1])
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def _attention_grads(dout, q, k, v, mask, scaling: float, p: float,
-                     seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV of :func:`_attend`, its probabilities and dropout mask made again."""
+def _attention_grads(dout, q, k, v, mask, scaling: float, p: float, seed: int,
+                     bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """dQ, dK, dV and the bias's gradient (None without a bias that requires one) of
+    :func:`_attend`, its probabilities and dropout mask made again."""
     kv_heads = k.shape[1]
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    probs, keep = _probabilities(q, k, mask, scaling, p, seed)
+    probs, keep = _probabilities(q, k, mask, scaling, p, seed, bias)
     dropped = probs
     dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
     if keep is not None:
@@ -108,28 +120,35 @@ def _attention_grads(dout, q, k, v, mask, scaling: float, p: float,
         dropped = (probs * keep).mul_(scale)
         dprobs.mul_(keep).mul_(scale)
     dv = torch.matmul(dropped.to(v.dtype).transpose(-1, -2), dout)
-    # Softmax backward: dS = P * (dP - sum(dP * P)).
-    dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scaling)
-    dscores = dscores.to(q.dtype)
+    # Softmax backward: dS = P * (dP - sum(dP * P)), the bias's gradient (summed over what it
+    # was broadcast along: T5's is one per head, shared by the batch).
+    dscores = (dprobs - (dprobs * probs).sum(-1, keepdim=True)).mul_(probs)
+    dbias = None
+    if bias is not None and bias.requires_grad:  # (a copy: dscores is scaled in place next)
+        dbias = _sum_to(dscores, bias.shape).to(bias.dtype, copy=True)
+    dscores = dscores.mul_(scaling).to(q.dtype)
     dk = torch.matmul(dscores.transpose(-1, -2), q)
-    return torch.matmul(dscores, k), _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
+    return torch.matmul(dscores, k), _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads), dbias
 
 
 class _RecomputedAttention(torch.autograd.Function):
-    """:func:`_attend` that saves Q, K, V, the mask and the dropout seed, and recomputes the
-    probabilities in backward."""
+    """:func:`_attend` that saves Q, K, V, the mask, the bias and the dropout seed, and
+    recomputes the probabilities in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor):
+    def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor,
+                bias: Tensor | None = None):
         ctx.scaling, ctx.p = scaling, p
-        ctx.save_for_backward(q, k, v, mask, seed)
-        return _attend(q, k, v, mask, scaling, p, int(seed))
+        ctx.save_for_backward(q, k, v, mask, seed, bias)
+        return _attend(q, k, v, mask, scaling, p, int(seed), bias)
 
     @staticmethod
     @first_order
     def backward(ctx, dout):
-        q, k, v, mask, seed = ctx.saved_tensors
-        return *_attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed)), *[None] * 4
+        q, k, v, mask, seed, bias = ctx.saved_tensors
+        dq, dk, dv, dbias = _attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed),
+                                             bias)
+        return dq, dk, dv, None, None, None, None, dbias
 
 
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
@@ -168,7 +187,7 @@ class _ProjectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
                 pairs: tuple, code: SharedCode | None = None,
-                rope: tuple[Tensor, Tensor] | None = None):
+                rope: tuple[Tensor, Tensor] | None = None, bias: Tensor | None = None):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
         ctx.rope = rope is not None
@@ -176,15 +195,15 @@ class _ProjectedAttention(torch.autograd.Function):
         # Detached views share storage and version counter: an in-place change to x or a weight
         # before backward still raises, and the meter counts x once with the linears' own copy.
         # With a code of x (attention="coded"), its payload in x's place.
-        ctx.save_for_backward(mask, seed, x.detach() if code is None else code.payload,
+        ctx.save_for_backward(mask, seed, bias, x.detach() if code is None else code.payload,
                               *(rope or (None, None)), prints,
                               *(None if t is None else t.detach() for pair in pairs for t in pair))
-        return _attend(q, k, v, mask, scaling, p, int(seed))
+        return _attend(q, k, v, mask, scaling, p, int(seed), bias)
 
     @staticmethod
     @first_order
     def backward(ctx, dout):
-        mask, seed, x, cos, sin, prints, *weights = ctx.saved_tensors
+        mask, seed, bias, x, cos, sin, prints, *weights = ctx.saved_tensors
         if ctx.code is not None:
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
@@ -198,8 +217,8 @@ class _ProjectedAttention(torch.autograd.Function):
             qkv = project(rows)
             if rows is not None and prints is not None and not same_rows(qkv, prints, rows):
                 qkv = project(None)  # a product over fewer rows rounded otherwise: all, as forward
-        grads = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed))
-        return *grads, *[None] * 8
+        dq, dk, dv, dbias = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed), bias)
+        return dq, dk, dv, *[None] * 8, dbias
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
@@ -386,7 +405,8 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
 @eager_island
 def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                         attention_mask: Tensor | None, scaling: float | None = None,
-                        dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+                        dropout: float = 0.0, position_bias: Tensor | None = None,
+                        **kwargs) -> tuple[Tensor, None]:
     """An attention function for transformers' ``AttentionInterface`` (same signature as its
     ``eager_attention_forward``) that keeps no probabilities for backward.
 
@@ -398,6 +418,9 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     float mask works too. Returns ``(output (B, L, H, D), None)``: attention weights are not
     materialised, except when the model asks for them (``output_attentions=True``): then the
     probabilities are computed as eager attention does, returned and kept for backward.
+    ``position_bias`` (T5's relative position bias, learned) is added to the scores, and its
+    gradient passed back; so is a float ``attention_mask`` that requires one. Any other floating
+    tensor among ``kwargs`` raises: this function would leave it out.
     """
     if query.shape[1] % key.shape[1] or value.shape[1] != key.shape[1]:
         raise ValueError("recompute_attention needs the query heads to be a multiple of the "
@@ -407,6 +430,15 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise ValueError(f"recompute_attention does not support {name}; pass attention='stored'")
+    unknown = [n for n, t in kwargs.items() if isinstance(t, Tensor) and t.is_floating_point()]
+    if unknown:
+        raise ValueError(f"{type(module).__name__} gives its attention function the tensor "
+                         f"{unknown[0]!r}, which recompute_attention does not read: it would be "
+                         "left out of the attention and its gradient; pass attention='stored'")
+    bias = position_bias
+    if isinstance(attention_mask, Tensor) and attention_mask.requires_grad:  # a learned mask
+        bias = attention_mask if bias is None else bias + attention_mask
+        attention_mask = None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -419,31 +451,32 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+                                      scaling=scaling, position_bias=bias, **kwargs)
     autocast = torch.is_autocast_enabled(query.device.type)
     if autocast:  # compute in the dtype autocast gives the projections' matmuls, as eager does
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if weights:
-        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout)
+        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout, bias)
     projected = _projection_weights(module, query, key, value) if needs_grad else None
     # No dropout, no seed: the global stream stays as the plain model leaves it.
     seed = _draw_seed() if dropout > 0 else seed_tensor(0)
     with torch.autocast(query.device.type, enabled=False):
         args = (query, key, value, attention_mask, float(scaling), float(dropout), seed)
         if projected is None:
-            out = _RecomputedAttention.apply(*args)
+            out = _RecomputedAttention.apply(*args, bias)
         else:
-            out = _ProjectedAttention.apply(*args, *projected)
+            out = _ProjectedAttention.apply(*args, *projected, bias)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attention_with_weights(q, k, v, mask, scaling: float, p: float) -> tuple[Tensor, Tensor]:
+def _attention_with_weights(q, k, v, mask, scaling: float, p: float,
+                            bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention by autograd that returns its (dropped) probabilities in ``q``'s dtype, as
     transformers' eager attention does: for ``output_attentions=True``."""
     seed = int(_draw_seed()) if p > 0 else 0
     with torch.autocast(q.device.type, enabled=False):
-        probs, keep = _probabilities(q, k, mask, float(scaling), p, seed)
+        probs, keep = _probabilities(q, k, mask, float(scaling), p, seed, bias)
         if keep is not None:
             probs = probs * keep * _drop_threshold(p)[1]
         out = torch.matmul(probs.to(v.dtype), v)
@@ -508,6 +541,37 @@ def _attention_refusal(owner: nn.Module) -> str | None:
                                                                         None)
     if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
         return f"its {heads} query heads are not a multiple of its {kv} key/value heads"
+    return _unknown_attention_inputs(owner)
+
+
+# What an attention function may take besides Q, K, V, the mask, the scaling and the dropout rate,
+# and recompute_attention reads: an additive bias (passed its gradient), the score cap and sinks
+# (refused where a model sets them: _attention_refusal, recompute_attention), the sliding window
+# (the mask carries it).
+_READ_INPUTS = {"module", "query", "key", "value", "attention_mask", "scaling", "dropout",
+                "position_bias", "softcap", "sinks", "s_aux", "sliding_window"}
+
+
+def _unknown_attention_inputs(owner: nn.Module) -> str | None:
+    """Why recompute_attention cannot stand in for the attention of ``owner``'s modules: the
+    eager attention function of a module's modeling code (transformers' reference for what the
+    attention computes) takes an input that recompute_attention would leave out, or None."""
+    seen = set()
+    for module in owner.modules():
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        extra = [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                 and p.name not in _READ_INPUTS]
+        if extra:
+            return (f"the attention of {type(module).__name__} ({fn.__module__}."
+                    f"eager_attention_forward) takes {extra[0]!r}, which recompute_attention does "
+                    "not read: it would be left out, its gradient with it")
     return None
 
 

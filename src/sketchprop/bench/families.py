@@ -1,0 +1,173 @@
+"""The model families the library is checked on, each built from a config with random weights (no
+download), at a tiny width and at a width of several code groups per row, and one padded batch.
+
+Each family is one entry of :data:`FAMILIES`: the transformers model class, its config class and
+the config's keys for the width, the depth, the heads and the MLP (names differ by family, as
+``hidden_size`` against ``d_model`` or ``n_embd``). :func:`build` fills them from a :class:`Width`;
+:func:`make_batch` gives the batch the family's head trains on: token ids padded on the right
+(as transformers' collators pad) with a loss target, or images for ViT. Dropout is off, so that
+an unpatched and a patched model draw nothing and their gradients can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Width:
+    """A model's width: hidden size, heads, MLP width, layers, vocabulary."""
+
+    hidden: int
+    heads: int
+    mlp: int
+    layers: int = 2
+    vocab: int = 128
+
+
+#: One code group a row at most (hidden 64): what most tests use, for speed.
+TINY = Width(hidden=64, heads=4, mlp=128)
+#: Several code groups a row (6 of 64), heads of 32, MLP 4x: where a layout bug shows.
+WIDE = Width(hidden=384, heads=12, mlp=1536)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family: ``model`` and ``config`` are transformers class names; ``keys``
+    the config's names for (hidden, heads, MLP width, layers, vocabulary), None where it has
+    none; ``extra`` further config values; ``kind`` what its head trains on (``"classify"``:
+    sequence labels, ``"lm"``: causal LM labels, ``"seq2seq"``: target tokens, ``"image"``)."""
+
+    model: str
+    config: str
+    keys: tuple[str, str, str, str, str | None]
+    kind: str
+    extra: tuple[tuple[str, object], ...] = ()
+
+
+_BERT_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
+              "vocab_size")
+_NO_DROPOUT_BERT = (("hidden_dropout_prob", 0.0), ("attention_probs_dropout_prob", 0.0))
+_DECODER = (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2),
+            ("tie_word_embeddings", False))
+
+FAMILIES: dict[str, Family] = {
+    "bert": Family("BertForSequenceClassification", "BertConfig", _BERT_KEYS, "classify",
+                   _NO_DROPOUT_BERT),
+    "roberta": Family("RobertaForSequenceClassification", "RobertaConfig", _BERT_KEYS, "classify",
+                      (*_NO_DROPOUT_BERT, ("pad_token_id", 1))),
+    "distilbert": Family("DistilBertForSequenceClassification", "DistilBertConfig",
+                         ("dim", "n_heads", "hidden_dim", "n_layers", "vocab_size"), "classify",
+                         (("dropout", 0.0), ("attention_dropout", 0.0), ("seq_classif_dropout",
+                                                                          0.0))),
+    "deberta-v2": Family("DebertaV2ForSequenceClassification", "DebertaV2Config", _BERT_KEYS,
+                         "classify", (*_NO_DROPOUT_BERT, ("relative_attention", True),
+                                      ("position_buckets", 16), ("pos_att_type",
+                                                                 ["p2c", "c2p"]))),
+    "modernbert": Family("ModernBertForSequenceClassification", "ModernBertConfig", _BERT_KEYS,
+                         "classify", (("pad_token_id", 0), ("bos_token_id", 1),
+                                      ("eos_token_id", 2), ("cls_token_id", 1),
+                                      ("sep_token_id", 2), ("global_attn_every_n_layers", 2),
+                                      ("local_attention", 16))),
+    "t5": Family("T5ForConditionalGeneration", "T5Config",
+                 ("d_model", "num_heads", "d_ff", "num_layers", "vocab_size"), "seq2seq",
+                 (("dropout_rate", 0.0), ("pad_token_id", 0), ("eos_token_id", 1),
+                  ("decoder_start_token_id", 0), ("relative_attention_num_buckets", 8))),
+    "llama": Family("LlamaForCausalLM", "LlamaConfig", _BERT_KEYS, "lm", _DECODER),
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config", _BERT_KEYS, "lm", _DECODER),
+    "qwen3": Family("Qwen3ForCausalLM", "Qwen3Config", _BERT_KEYS, "lm", _DECODER),
+    "mistral": Family("MistralForCausalLM", "MistralConfig", _BERT_KEYS, "lm",
+                      (*_DECODER, ("sliding_window", 16))),
+    "gemma2": Family("Gemma2ForCausalLM", "Gemma2Config", _BERT_KEYS, "lm",
+                     (*_DECODER, ("sliding_window", 16))),
+    "gemma3": Family("Gemma3ForCausalLM", "Gemma3TextConfig", _BERT_KEYS, "lm",
+                     (*_DECODER, ("sliding_window", 16))),
+    "phi3": Family("Phi3ForCausalLM", "Phi3Config", _BERT_KEYS, "lm",
+                   (*_DECODER, ("resid_pdrop", 0.0), ("embd_pdrop", 0.0))),
+    "gpt2": Family("GPT2LMHeadModel", "GPT2Config",
+                   ("n_embd", "n_head", "n_inner", "n_layer", "vocab_size"), "lm",
+                   (("resid_pdrop", 0.0), ("embd_pdrop", 0.0), ("attn_pdrop", 0.0),
+                    ("bos_token_id", 0), ("eos_token_id", 0))),
+    "mixtral": Family("MixtralForCausalLM", "MixtralConfig", _BERT_KEYS, "lm",
+                      (*_DECODER, ("num_local_experts", 4), ("num_experts_per_tok", 2))),
+    "qwen3-moe": Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        ("hidden_size", "num_attention_heads", "moe_intermediate_size",
+                         "num_hidden_layers", "vocab_size"), "lm",
+                        (*_DECODER, ("num_experts", 4), ("num_experts_per_tok", 2),
+                         ("decoder_sparse_step", 1))),
+    "vit": Family("ViTForImageClassification", "ViTConfig",
+                  (*_BERT_KEYS[:4], None), "image",
+                  (*_NO_DROPOUT_BERT, ("image_size", 32), ("patch_size", 8), ("num_labels", 3))),
+}
+
+#: Families whose heads are grouped (half as many key/value heads as query heads).
+_GROUPED = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3-moe"}
+
+
+def config_of(name: str, width: Width = TINY):
+    """The config of family ``name`` at ``width``."""
+    import transformers
+
+    family = FAMILIES[name]
+    values = dict(zip(family.keys, (width.hidden, width.heads, width.mlp, width.layers,
+                                    width.vocab), strict=True))
+    values.pop(None, None)
+    if name in _GROUPED:
+        values["num_key_value_heads"] = max(1, width.heads // 2)
+    if name in ("gemma2", "gemma3", "qwen3", "qwen3-moe"):
+        values["head_dim"] = width.hidden // width.heads
+    if name == "qwen3-moe":
+        values["intermediate_size"] = width.mlp
+    if name == "t5":
+        values["d_kv"] = width.hidden // width.heads
+    values.update(dict(family.extra))
+    return getattr(transformers, family.config)(**values)
+
+
+def build(name: str, width: Width = TINY, seed: int = 0) -> nn.Module:
+    """Family ``name`` at ``width``, random weights from ``seed``, in training mode, with eager
+    attention (what a CPU run uses; the patches switch it where they apply)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; choose one of {list(FAMILIES)}")
+    hf_logging.set_verbosity_error()
+    config = config_of(name, width)
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[name].model)._from_config(
+        config, attn_implementation="eager")
+    return model.train()
+
+
+def make_batch(name: str, model: nn.Module, batch: int = 4, length: int = 48,
+               seed: int = 0) -> dict:
+    """A batch of ``batch`` rows of ``length`` tokens, the first full and the others shorter
+    (down to about half), padded on the right; images for ViT. With the target its head trains
+    on: labels, or the tokens themselves with padding at -100."""
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    kind = FAMILIES[name].kind
+    if kind == "image":
+        side = config.image_size
+        return {"pixel_values": torch.randn(batch, config.num_channels, side, side, generator=g),
+                "labels": torch.randint(0, config.num_labels, (batch,), generator=g)}
+    lengths = torch.tensor([length - (length * i) // (2 * batch) for i in range(batch)])
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    ids = torch.randint(3, config.vocab_size, (batch, length), generator=g).masked_fill(
+        mask == 0, pad)
+    data = {"input_ids": ids, "attention_mask": mask}
+    if kind == "classify":
+        data["labels"] = torch.randint(0, config.num_labels, (batch,), generator=g)
+    elif kind == "seq2seq":
+        out = length // 2
+        labels = torch.randint(3, config.vocab_size, (batch, out), generator=g)
+        data["labels"] = labels.masked_fill(torch.arange(out)[None, :] >= lengths[:, None] // 2,
+                                            -100)
+    else:
+        data["labels"] = ids.masked_fill(mask == 0, -100)
+    return data
