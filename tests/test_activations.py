@@ -218,7 +218,8 @@ def test_an_attention_input_it_would_leave_out_refuses(monkeypatch):
     monkeypatch.undo()
     q = torch.randn(1, 2, 3, 4, requires_grad=True)
     with pytest.raises(ValueError, match="'alibi'.*pass attention='stored'"):
-        act.recompute_attention(nn.Module(), q, q, q, None, alibi=torch.zeros(1, 2, 3, 3))
+        act.recompute_attention(nn.Module(), q, q, q, None, alibi=torch.zeros(1, 2, 3, 3),
+                                num_items_in_batch=torch.tensor(3.0))
 
 
 def padded_attention(case: str, monkeypatch, rounding=None):

@@ -76,3 +76,25 @@ def test_exact_parts_give_the_unpatched_gradients(name, width):
     for n, g in want.items():
         err = (got[n] - g).norm()
         assert err <= RTOL * g.norm() + GTOL * scale, (n, err.item(), g.norm().item())
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_dropout_at_width_seeded_and_packed_masks_agree(name):
+    """With dropout on (the families' configs turn it off) at several code groups a row: seeded
+    masks (made again from a seed) and packed ones (kept at one bit) are the same masks, so the
+    gradients agree bit for bit; lean with bits=4 keeps every gradient."""
+    keys = {"bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+            "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop")}[name]
+
+    def grads(setup):
+        model = fam.build(name, fam.WIDE, **dict.fromkeys(keys, 0.1))
+        setup(model)
+        assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.1 for m in model.modules())
+        model(**fam.make_batch(name, model)).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    seeded = grads(lambda m: patch_activations(m, dropout="seeded"))
+    packed = grads(lambda m: patch_activations(m, dropout="packed"))
+    assert set(seeded) == set(packed) and all(torch.equal(seeded[n], packed[n]) for n in seeded)
+    lean = grads(SETUPS["int4+lean"])
+    assert set(lean) == set(seeded) and all(torch.isfinite(g).all() for g in lean.values())

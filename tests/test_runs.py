@@ -5,6 +5,7 @@ available fails fast with a command that works."""
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -229,11 +230,36 @@ def test_choose_setup_with_gpu_and_hub_keeps_the_paper_setup(monkeypatch, capsys
     assert capsys.readouterr().out.startswith("setup: paper")
 
 
-def test_cpu_setup_runs_offline_on_the_shipped_data(tmp_path):
-    """The entry point as `make glue` calls it, offline, no GLUE_DIR: the CPU setup on the files
-    in data/glue (two steps on a few examples, not the whole recipe)."""
+def readme_glue_commands() -> dict[str, list[str]]:
+    """Each distinct run of the README's `make glue` commands (its lines joined, so that a command
+    wrapped across two lines counts whole): the command as printed, and the command line that
+    make runs for it (`make -n`, this interpreter in place of .venv's)."""
+    text = " ".join((REPO_ROOT / "README.md").read_text().split())
+    found = {}
+    for command in re.findall(r'make glue(?: [A-Z]+=(?:"[^"]*"|[^\s`"]+))*', text):
+        proc = subprocess.run(["make", "-n", "-o", "install", "--no-print-directory",
+                               f"PY={sys.executable}", *shlex.split(command)[1:]],
+                              cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        argv = shlex.split(proc.stdout.replace("\\\n", " "))
+        found.setdefault(tuple(argv), command)
+    return {command: list(argv) for argv, command in found.items()}
+
+
+README_GLUE = readme_glue_commands()
+
+
+def test_the_readme_names_its_main_and_lean_runs():
+    assert "make glue TASK=cola RHO=0.1" in README_GLUE
+    assert any("activations=lean" in c for c in README_GLUE)
+
+
+@pytest.mark.parametrize("command", list(README_GLUE))
+def test_cpu_setup_runs_offline_on_the_shipped_data(tmp_path, command):
+    """Each of the README's `make glue` runs as make calls it, offline, no GLUE_DIR: the CPU setup
+    on the pretrained MiniLM and the files in data/glue (two steps on a few examples, not the
+    whole recipe)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "sketchprop.train", "task=cola", "logger=none",
+        [*README_GLUE[command], "logger=none",
          "train.max_steps=2", "data.max_train_samples=64", "data.max_eval_samples=32",
          f"scratch_results_dir={tmp_path}/scratch", f"checkpoints_dir={tmp_path}/ckpt",
          f"hydra.run.dir={tmp_path}/run"],

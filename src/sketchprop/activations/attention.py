@@ -420,7 +420,7 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     probabilities are computed as eager attention does, returned and kept for backward.
     ``position_bias`` (T5's relative position bias, learned) is added to the scores, and its
     gradient passed back; so is a float ``attention_mask`` that requires one. Any other floating
-    tensor among ``kwargs`` raises: this function would leave it out.
+    tensor among ``kwargs`` shaped as the scores raises: this function would leave it out.
     """
     if query.shape[1] % key.shape[1] or value.shape[1] != key.shape[1]:
         raise ValueError("recompute_attention needs the query heads to be a multiple of the "
@@ -430,7 +430,11 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise ValueError(f"recompute_attention does not support {name}; pass attention='stored'")
-    unknown = [n for n, t in kwargs.items() if isinstance(t, Tensor) and t.is_floating_point()]
+    # A floating tensor shaped as the scores (its last dimension the keys) would enter the
+    # attention in the model's own function; what else travels in kwargs (the Trainer's
+    # num_items_in_batch, sequence offsets) is not for it.
+    unknown = [n for n, t in kwargs.items() if isinstance(t, Tensor) and t.is_floating_point()
+               and t.dim() >= 2 and t.shape[-1] == key.shape[2]]
     if unknown:
         raise ValueError(f"{type(module).__name__} gives its attention function the tensor "
                          f"{unknown[0]!r}, which recompute_attention does not read: it would be "

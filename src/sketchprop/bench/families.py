@@ -107,8 +107,8 @@ FAMILIES: dict[str, Family] = {
 _GROUPED = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3-moe"}
 
 
-def config_of(name: str, width: Width = TINY):
-    """The config of family ``name`` at ``width``."""
+def config_of(name: str, width: Width = TINY, **overrides):
+    """The config of family ``name`` at ``width``, with ``overrides`` (config keys) on top."""
     import transformers
 
     family = FAMILIES[name]
@@ -124,19 +124,21 @@ def config_of(name: str, width: Width = TINY):
     if name == "t5":
         values["d_kv"] = width.hidden // width.heads
     values.update(dict(family.extra))
+    values.update(overrides)
     return getattr(transformers, family.config)(**values)
 
 
-def build(name: str, width: Width = TINY, seed: int = 0) -> nn.Module:
-    """Family ``name`` at ``width``, random weights from ``seed``, in training mode, with eager
-    attention (what a CPU run uses; the patches switch it where they apply)."""
+def build(name: str, width: Width = TINY, seed: int = 0, **overrides) -> nn.Module:
+    """Family ``name`` at ``width`` (config ``overrides`` on top), random weights from ``seed``,
+    in training mode, with eager attention (what a CPU run uses; the patches switch it where
+    they apply)."""
     import transformers
     from transformers.utils import logging as hf_logging
 
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}; choose one of {list(FAMILIES)}")
     hf_logging.set_verbosity_error()
-    config = config_of(name, width)
+    config = config_of(name, width, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, FAMILIES[name].model)._from_config(
         config, attn_implementation="eager")
