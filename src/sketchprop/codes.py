@@ -37,9 +37,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .quantize import QuantSpec, dequantize, quantize
 
-__all__ = ["SharedCode", "code_of", "filed_spec", "make_code"]
+__all__ = ["SharedCode", "code_of", "filed_spec", "is_filed_payload", "make_code"]
 
 _filed = WeakTensorKeyDictionary()
+_payloads = WeakTensorKeyDictionary()  # every filed payload, while it lives
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +50,11 @@ class SharedCode:
 
     payload: Tensor
     spec: QuantSpec
+
+    def __post_init__(self):
+        # known as a shared payload from the start: the part that makes it saves it for
+        # backward before it files it (is_filed_payload)
+        _payloads[self.payload] = True
 
     def decode(self, dtype: torch.dtype | None = None) -> Tensor:
         """The coded rows (``rows x cols``) in ``dtype`` (default: the coded tensor's)."""
@@ -70,6 +76,13 @@ def make_code(x: Tensor, bits: int, group: int, seed: int) -> SharedCode:
 def file_code(x: Tensor, code: SharedCode) -> None:
     """File ``code`` (made by the caller, who keeps it alive) under ``x`` as it is now."""
     _filed[x] = (x._version, weakref.ref(code.payload), code.spec)
+
+
+def is_filed_payload(t: Tensor) -> bool:
+    """Whether ``t`` is the payload of a :class:`SharedCode`: what later readers find again
+    through a weak reference (a meter that drops saved tensors keeps these, or the readers would
+    code again)."""
+    return t in _payloads
 
 
 def code_of(x: Tensor) -> SharedCode | None:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .codes import is_filed_payload
+
 __all__ = ["SavedTensorMeter", "peak_memory_bytes", "reset_peak_memory", "synchronize", "time_fn",
            "usable_cores"]
 
@@ -43,9 +45,10 @@ class SavedTensorMeter:
 
     ``discard=True`` counts a forward pass that will never be backpropagated without keeping what
     it saves: each saved tensor is dropped at once (``backward`` then fails), except those saved
-    under a label in ``keep_labels``, so the saved bytes of a batch whose activations would not fit
-    in memory can still be counted. Keep what later code finds again through weak references
-    (the sketches ``share_inputs`` shares), or it is recomputed and counted twice. A storage is
+    under a label in ``keep_labels`` and the payloads of shared codes (:mod:`sketchprop.codes`),
+    so the saved bytes of a batch whose activations would not fit in memory can still be counted.
+    Keep what else later code finds again through weak references (the sketches
+    ``share_inputs`` shares), or it is recomputed and counted twice. A storage is
     recognised by address and size while it is alive; a weak reference tells a freed storage whose
     address was reused apart from the same one saved twice.
     """
@@ -81,7 +84,9 @@ class SavedTensorMeter:
             # Others are kept as they are, so what code finds again through a weak reference
             # to the tensor (``share_inputs``' sketches) stays alive as it does unmetered.
             return t.detach() if t.grad_fn is not None else t
-        if self.label in self.keep_labels:
+        # What later code finds again through a weak reference: kept, or it would be made and
+        # counted again (the lean preset's shared codes; keep_labels for the rest)
+        if self.label in self.keep_labels or is_filed_payload(t):
             self._kept.append(t)
         return None
 
