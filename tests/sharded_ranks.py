@@ -39,6 +39,11 @@ PATCHES = {
     "compact": lambda m: patch_activations(m),
     "sketch-bits-compact": lambda m: patch_linear(m, sketch="gaussian", rho=0.5, bits=4, min_rows=1)
     + patch_activations(m),
+    "floor": lambda m: patch_activations(m, dropout="stored", attention="stored", gelu_bits=None,
+                                         layernorm="stored", mlp="stored", rmsnorm="stored",
+                                         lm_loss="stored", floor_bits=4),
+    "bits-lean-floor": lambda m: patch_linear(m, sketch="exact", bits=4)
+    + patch_activations(m, preset="lean", floor_bits=4),
 }
 
 

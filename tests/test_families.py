@@ -98,3 +98,36 @@ def test_dropout_at_width_seeded_and_packed_masks_agree(name):
     assert set(seeded) == set(packed) and all(torch.equal(seeded[n], packed[n]) for n in seeded)
     lean = grads(SETUPS["int4+lean"])
     assert set(lean) == set(seeded) and all(torch.isfinite(g).all() for g in lean.values())
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_learned_float_mask_is_the_models_own_on_either_path(grad):
+    """A float attention mask that requires a gradient (a learned one, bidirectional here): with
+    gradients it joins the recompute's bias; without them (SDPA's path, CUDA's always) it stays
+    the mask, with no causal mask added on top (one was, when the mask went into the bias)."""
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = (0.1 * torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)))
+    mask.requires_grad_(True)
+
+    def logits(patch):
+        model = fam.build("llama").eval()
+        if patch:
+            patch_activations(model, attention="recompute", gelu_bits=None, lm_loss="stored")
+        with torch.set_grad_enabled(grad):
+            return model(input_ids=ids, attention_mask=mask).logits.detach()
+
+    torch.testing.assert_close(logits(True), logits(False))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "bert", "t5"])
+def test_output_attentions_are_the_models_own(name):
+    """``output_attentions=True`` returns the probabilities eager attention returns, grouped K/V
+    heads included (they crashed) and T5's position bias in them."""
+    model = fam.build(name)
+    data = fam.make_batch(name, model)
+    want = model(**data, output_attentions=True)
+    patch_activations(model, attention="recompute", gelu_bits=None)
+    got = model(**data, output_attentions=True)
+    key = "encoder_attentions" if name == "t5" else "attentions"
+    for a, b in zip(got[key], want[key], strict=True):
+        torch.testing.assert_close(a, b)

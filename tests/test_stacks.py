@@ -492,6 +492,12 @@ def test_sharded_exact_configurations_give_one_process_gradients(sharded_runs, s
                  marks=pytest.mark.stack("ddp", "sketch", "bits", "compact")),
     pytest.param("ddp", "after", "llama", "sketch-bits-compact",
                  marks=pytest.mark.stack("ddp", "sketch", "bits", "compact", "decoders")),
+    pytest.param("fsdp2", "before", "roberta", "floor", marks=pytest.mark.stack("fsdp2", "floor")),
+    pytest.param("fsdp2", "before", "llama", "bits-lean-floor",
+                 marks=pytest.mark.stack("fsdp2", "bits", "floor")),
+    pytest.param("ddp", "after", "roberta", "floor", marks=pytest.mark.stack("ddp", "floor")),
+    pytest.param("ddp", "after", "llama", "bits-lean-floor",
+                 marks=pytest.mark.stack("ddp", "bits", "floor")),
 ])
 def test_sharded_stochastic_configurations_train(sharded_runs, stack, order, arch, patch):
     """A sketch, b-bit rows and the compact defaults (each rank draws its own bits): finite

@@ -37,7 +37,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .quantize import QuantSpec, dequantize, quantize
 
-__all__ = ["SharedCode", "code_of", "filed_spec", "is_filed_payload", "make_code"]
+__all__ = ["SharedCode", "code_of", "filed_spec", "is_filed_payload", "make_code", "mark_shared"]
 
 _filed = WeakTensorKeyDictionary()
 _payloads = WeakTensorKeyDictionary()  # every filed payload, while it lives
@@ -54,7 +54,7 @@ class SharedCode:
     def __post_init__(self):
         # known as a shared payload from the start: the part that makes it saves it for
         # backward before it files it (is_filed_payload)
-        _payloads[self.payload] = True
+        mark_shared(self.payload)
 
     def decode(self, dtype: torch.dtype | None = None) -> Tensor:
         """The coded rows (``rows x cols``) in ``dtype`` (default: the coded tensor's)."""
@@ -76,6 +76,11 @@ def make_code(x: Tensor, bits: int, group: int, seed: int) -> SharedCode:
 def file_code(x: Tensor, code: SharedCode) -> None:
     """File ``code`` (made by the caller, who keeps it alive) under ``x`` as it is now."""
     _filed[x] = (x._version, weakref.ref(code.payload), code.spec)
+
+
+def mark_shared(payload: Tensor) -> None:
+    """Note ``payload`` as one that several readers share (:func:`is_filed_payload`)."""
+    _payloads[payload] = True
 
 
 def is_filed_payload(t: Tensor) -> bool:

@@ -12,7 +12,8 @@ part the model has); each module's docstring says what its part keeps and why:
 - :mod:`~sketchprop.activations.dropout`: :class:`SeededDropout`, :class:`PackedDropout`
   (``dropout=``).
 - :mod:`~sketchprop.activations.attention`: :func:`recompute_attention` (``attention=``), and
-  :class:`CodeAttentionInput` (``attention="coded"``).
+  :class:`CodeAttentionInput` (``attention="coded"``); which models it stands in for:
+  :mod:`~sketchprop.activations.attention_models`.
 - :mod:`~sketchprop.activations.gelu`: :class:`CompactGELU`, :class:`CompactTanhGELU` and their
   codes, :class:`GeluCode` (``gelu_bits=``, ``gelu_code=``).
 - :mod:`~sketchprop.activations.norms`: :class:`OutputLayerNorm`, :class:`CodedLayerNorm`
@@ -21,6 +22,8 @@ part the model has); each module's docstring says what its part keeps and why:
 - :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards, :class:`CodedGatedMLP`
   (``mlp=``).
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
+- :mod:`~sketchprop.activations.floor`: :class:`Floor` (``floor_bits=``): whatever the parts
+  above leave, on any model, as one b-bit code per saved storage.
 - shared by several parts: :mod:`~sketchprop.activations.seeds` (seeds and dropout masks),
   :mod:`~sketchprop.activations.projections` (projections made again in backward),
   :mod:`~sketchprop.activations.rows` (the rows the attention's backward reads, checked), and, with
@@ -44,6 +47,7 @@ from .attention import (
     register_attention,
 )
 from .dropout import DROPOUT, PackedDropout, SeededDropout
+from .floor import Floor
 from .gelu import (
     DEFAULT_GELU_BITS,
     DEFAULT_GELU_CODE,
@@ -92,6 +96,7 @@ __all__ = [
     "DEFAULT_GELU_BITS",
     "DEFAULT_GELU_CODE",
     "DROPOUT",
+    "Floor",
     "GELU_CODES",
     "LAYERNORM",
     "CompactGELU",

@@ -46,7 +46,7 @@ class Mutant:
 
 
 SK, FN, LY, PA, GL, VA, AL = ("src/sketchprop/sketches.py", "src/sketchprop/functional.py",
-                              "src/sketchprop/layers.py", "src/sketchprop/patching.py",
+                              "src/sketchprop/layers.py", "src/sketchprop/patching/linear.py",
                               "src/sketchprop/glue/metric.py", "src/sketchprop/variance.py",
                               "src/sketchprop/allocation.py")
 UNBIASED = "tests/test_layers.py::test_weight_gradient_unbiased"

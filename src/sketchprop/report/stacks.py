@@ -45,6 +45,7 @@ PATCHES = {
     "bits": "b-bit rows (`bits=`)",
     "compact": "compact activations",
     "decoders": "decoder parts (Llama, GPT-2)",
+    "floor": "the generic floor (`floor_bits=`)",
 }
 SHOWN = 2  # tests named per cell; the rest are counted
 

@@ -1,0 +1,296 @@
+"""The generic floor (`patch_activations(model, floor_bits=b)`): what no part handles, as one b-bit
+code per saved storage. Unbiased; parameters, buffers, small and non-finite tensors and custom
+Functions' saves kept as they are; bool masks at one bit; one code for a storage saved twice;
+counted by an outer meter; an in-place change raises; off in eval mode, after unpatching and
+under torch.compile; on a model with no transformer in it, and under checkpointing, autocast and
+gradient accumulation."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sketchprop import patch_activations, unpatch_activations
+from sketchprop.activations import floor as fl
+from sketchprop.measure import SavedTensorMeter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Every other part off: the floor alone.
+ALONE = dict(dropout="stored", attention="stored", gelu_bits=None, layernorm="stored",
+             mlp="stored", rmsnorm="stored", lm_loss="stored")
+
+
+def floor_only(model, bits=4, **kwargs):
+    patch_activations(model, **ALONE, floor_bits=bits, **kwargs)
+    return model
+
+
+class ConvNet(nn.Module):
+    """A small conv net: no transformer, no part of the library applies but the floor."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 32, 3, padding=1), nn.SiLU(), nn.MaxPool2d(2),
+                                  nn.Conv2d(32, 32, 3, padding=1), nn.GELU())
+        self.head = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).flatten(1))
+
+
+def conv_batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def conv_grads(model, x, y):
+    model.zero_grad()
+    with SavedTensorMeter(model) as meter:
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return meter.bytes, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_model_with_no_transformer_keeps_a_fifth_and_every_gradient():
+    torch.manual_seed(0)
+    exact_model = ConvNet()
+    model = floor_only(copy.deepcopy(exact_model))
+    x, y = conv_batch()
+    exact_bytes, want = conv_grads(exact_model, x, y)
+    coded_bytes, got = conv_grads(model, x, y)
+    assert coded_bytes <= 0.20 * exact_bytes, coded_bytes / exact_bytes
+    assert set(got) == set(want)
+    err = sum((got[n] - want[n]).square().sum() for n in want) / sum(
+        g.square().sum() for g in want.values())
+    assert 0 < err < 0.05, err  # coded, and close: 4-bit codes of every activation
+
+
+def test_parameters_are_kept_and_activations_coded_unbiased():
+    """``y = x W^T``: dX reads W, a parameter, kept exactly; dW reads x, coded, unbiased: the
+    mean of n draws is within its standard error of the exact gradient (z-scores of every
+    element; the largest of 256 below the two-sided 1e-4 Bonferroni bound)."""
+    layer = nn.Linear(128, 2)
+    model = floor_only(nn.Sequential(layer))
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 128, generator=g) * torch.linspace(0.1, 3, 128)).requires_grad_(True)
+    dy = torch.randn(64, 2, generator=g)
+    want = torch.autograd.grad(nn.functional.linear(x, layer.weight, layer.bias), (x, layer.weight),
+                               dy)
+    draws = []
+    for seed in range(400):
+        torch.manual_seed(seed)  # the floor's stream follows the run seed
+        dx, dw = torch.autograd.grad(model(x), (x, layer.weight), dy)
+        assert torch.equal(dx, want[0])
+        draws.append(dw)
+    draws = torch.stack(draws).double()
+    assert (draws[0] != want[1]).any()
+    z = (draws.mean(0) - want[1]) / (draws.std(0) / len(draws) ** 0.5)
+    assert z.abs().max() < 4.9, z.abs().max()  # Phi^-1(1 - 1e-4 / 512)
+
+
+def test_what_is_kept_as_it_is_and_what_is_coded():
+    """Small tensors, non-finite ones, integer ones, custom Functions' saves and buffers pass
+    through; a storage saved by two backward functions is one code; a bool mask is one bit a
+    value."""
+    class Save(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.rand(64, 128) + 0.5)
+
+        def forward(self, x, small, mask):
+            h = x.exp()  # saves its output h: 8192 floats, coded
+            a = h.sin() + h.cos()  # both save h: the same code
+            b = Save.apply(x.tanh())  # a custom Function's save: as it is
+            c = (x * self.scale).sum()  # saves the buffer (as it is) and x (coded)
+            d = small.exp().sum()  # 16 values: as they are
+            e = torch.where(mask, x, 0.0).pow(2).sum()  # the bool mask: one bit a value
+            return a.sum() + b.sum() + c + d + e
+
+    model = floor_only(Probe())
+    x = torch.randn(64, 128, requires_grad=True)
+    small = torch.randn(16, requires_grad=True)
+    mask = torch.rand(64, 128) > 0.5
+    with SavedTensorMeter() as meter:  # outside the model: it counts what the floor keeps
+        model(x, small, mask)
+    sizes = sorted(n for n, _ in meter.records)
+    code = 8192 // 2 + 8192 // 64 * 4  # 4-bit codes and a bfloat16 pair per group of 64
+    assert sizes.count(code) == 3, sizes  # h (once for three saves), x, where()'s output
+    assert 8192 // 8 in sizes  # the mask
+    assert sizes.count(8192 * 4) == 2  # the buffer and the custom Function's save
+    assert 16 * 4 in sizes  # small
+
+
+def test_a_non_finite_activation_is_kept_and_its_gradient_exact():
+    x = torch.randn(64, 128)
+    x[3, 5] = float("inf")
+    x.requires_grad_(True)
+    model = floor_only(nn.Sequential(nn.Softplus()))
+    (got,) = torch.autograd.grad(model(x).sum(), x)
+    (want,) = torch.autograd.grad(nn.functional.softplus(x).sum(), x)
+    assert torch.equal(got, want)
+
+
+def test_an_in_place_change_after_saving_raises():
+    model = floor_only(nn.Sequential(nn.Linear(128, 128), nn.Sigmoid()))
+    x = torch.randn(64, 128)
+    h = model[0](x)  # outside the model: no floor
+    out = model(x)  # sigmoid saves its output, coded
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    assert h.requires_grad
+
+
+def test_off_in_eval_mode_without_grad_and_after_unpatching():
+    torch.manual_seed(0)
+    exact_model = ConvNet()
+    model = floor_only(copy.deepcopy(exact_model))
+    x, y = conv_batch()
+    _, want = conv_grads(exact_model.eval(), x, y)
+    _, got = conv_grads(model.eval(), x, y)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    with torch.no_grad():
+        model.train()(x)
+    assert not fl._stack()  # every context closed
+    unpatch_activations(model)
+    _, want = conv_grads(exact_model.train(), x, y)
+    _, got = conv_grads(model, x, y)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_an_exception_in_forward_closes_the_hooks():
+    class Boom(nn.Module):
+        def forward(self, x):
+            x.exp()
+            raise KeyError("boom")
+
+    model = floor_only(Boom())
+    with pytest.raises(KeyError):
+        model(torch.randn(64, 128, requires_grad=True))
+    assert not fl._stack()
+    y = torch.randn(64, 128, requires_grad=True)
+    with SavedTensorMeter() as meter:
+        y.exp()
+    assert meter.bytes == 64 * 128 * 4  # no floor outside the model
+
+
+@pytest.mark.parametrize("reentrant", [
+    pytest.param(False, marks=pytest.mark.stack("ckpt-nonreentrant", "floor")),
+    pytest.param(True, marks=pytest.mark.stack("ckpt-reentrant", "floor"))])
+@pytest.mark.stack("grad-accum", "floor")
+def test_under_checkpointing_and_gradient_accumulation(reentrant):
+    """A checkpointed block is recomputed in backward from its input, kept as it is (the
+    non-reentrant checkpoint's hooks take the block's saves; the reentrant one keeps its input as
+    a custom Function's save); what the rest saves is coded. Two forwards before one backward
+    accumulate. Every gradient is there, close to exact (the squared error a few percent of the
+    squared norm at most: 4-bit codes)."""
+    torch.manual_seed(0)
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(128, 256), nn.Linear(256, 128)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=reentrant)
+            return self.b(h).square().mean()
+
+    exact_model = Blocks()
+    model = floor_only(copy.deepcopy(exact_model))
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(64, 128, generator=g, requires_grad=True) for _ in range(2)]
+    for m in (exact_model, model):
+        sum(m(x) for x in xs).backward()
+    for p, q in zip(model.parameters(), exact_model.parameters(), strict=True):
+        assert 0 < (p.grad - q.grad).square().sum() / q.grad.square().sum() < 0.05
+
+
+@pytest.mark.stack("autocast-bf16", "floor")
+def test_autocast_codes_activations_not_frozen_weight_casts():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 64))
+    base[0].weight.requires_grad_(False)
+    model = floor_only(base)
+    x = torch.randn(64, 128, requires_grad=True)
+    with SavedTensorMeter(model) as meter, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().sum().backward()
+    sizes = [n for n, _ in meter.records]
+    assert 128 * 128 * 2 in sizes  # the frozen weight's bfloat16 cast, as it is
+    assert x.grad is not None and base[2].weight.grad is not None
+
+
+def test_compiled_the_floor_is_off_and_says_so_once():
+    torch.manual_seed(0)
+    model = floor_only(nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8)))
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(64, 128)
+    with pytest.warns(UserWarning, match="activation floor is off under torch.compile"):
+        compiled(x).sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_bad_floor_bits_change_nothing():
+    model = ConvNet()
+    for bad in (3, True, "4"):
+        with pytest.raises(ValueError, match="floor_bits must be one of"):
+            patch_activations(model, **ALONE, floor_bits=bad)
+    assert not hasattr(model, "_sketchprop_activations") and not model._forward_pre_hooks
+
+
+@pytest.mark.stack("peft-lora", "floor")
+def test_peft_lora_base_weights_kept_and_adapters_trained():
+    """Under peft LoRA the frozen base weights are parameters, kept as they are; what the
+    adapters' gradients read is coded: a fraction of the bytes, the gradients close."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256, num_labels=2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+    exact = get_peft_model(base, LoraConfig(r=4, target_modules=["query", "value"]))
+    model = floor_only(copy.deepcopy(exact))
+    ids = torch.randint(3, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    saved, grads = {}, {}
+    for name, m in (("exact", exact), ("floor", model)):
+        with SavedTensorMeter(m) as meter:
+            loss = m(input_ids=ids, labels=torch.tensor([0, 1, 0, 1])).loss
+        loss.backward()
+        saved[name] = meter.bytes
+        grads[name] = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert saved["floor"] <= 0.25 * saved["exact"], saved
+    assert all(g is not None for g in grads["floor"].values())
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    err = sum((grads["floor"][n] - g).square().sum() for n, g in grads["exact"].items())
+    assert 0 < err / sum(g.square().sum() for g in grads["exact"].values()) < 0.05
+
+
+@pytest.mark.stack("save-load", "floor")
+def test_a_floored_model_saves_loads_and_trains(tmp_path):
+    torch.manual_seed(0)
+    exact_model = ConvNet()
+    torch.save(floor_only(copy.deepcopy(exact_model)), tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    x, y = conv_batch()
+    exact_bytes, _ = conv_grads(exact_model, x, y)
+    coded_bytes, grads = conv_grads(loaded, x, y)
+    assert coded_bytes <= 0.20 * exact_bytes and all(g is not None for g in grads.values())
+    unpatch_activations(loaded)
+    assert conv_grads(loaded, x, y)[0] == exact_bytes
