@@ -383,6 +383,27 @@ def test_compact_activations_run_and_count_what_they_keep(tmp_path, glue_dir):
     assert all(v is not None for v in compact["metrics"].values())
 
 
+def test_the_floor_runs_alone_and_on_compact_and_joins_the_identity(tmp_path, glue_dir):
+    """activations.floor_bits=4: alone (on activations=stored) and on compact, a part of the run's
+    identity (off: neutral), and the result's saved bytes count its codes (on this tiny model
+    most tensors are below the floor's size: with compact, what is left is)."""
+    base = overrides(tmp_path, glue_dir, "train.max_steps=2")
+    runs_ = {}
+    for name, extra in (("stored", []), ("compact", ["activations=compact"]),
+                        ("floor", ["activations.floor_bits=4"]),
+                        ("compact+floor", ["activations=compact", "activations.floor_bits=4"])):
+        runs_[name] = run(compose([*base, *extra, f"results_dir={tmp_path}/{name}"]),
+                          output_dir=tmp_path / name)
+    assert runs_["floor"]["identity"]["activations"] == {"dropout": "stored",
+                                                         "attention": "stored",
+                                                         "gelu_bits": None, "floor_bits": 4}
+    assert "floor_bits" not in runs_["compact"]["identity"]["activations"]
+    saved = {k: r["saved_activation_bytes"] for k, r in runs_.items()}
+    assert saved["floor"] < 0.9 * saved["stored"] and saved["compact+floor"] <= saved["compact"]
+    with pytest.raises(Exception, match="activations.floor_bits"):
+        validate(compose([*base, "activations.floor_bits=3"]))
+
+
 def test_variance_tracking_lands_in_the_result(tmp_path, glue_dir):
     import math
 

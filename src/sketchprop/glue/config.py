@@ -224,19 +224,23 @@ class ActivationsConfig:
     # codes (groups of method.group) that the next layers share; a label here, the parts say it.
     preset: Preset = Preset.compact
     code_bits: int = 4  # width of the codes the "coded" parts keep
+    # the generic floor: what no part handles, as one floor_bits-bit code per saved storage
+    floor_bits: int | None = None
 
     @property
     def stored(self) -> bool:
         """True when nothing is changed: the model is left unpatched."""
         return (self.dropout == DropoutMode.stored and self.attention == AttentionMode.stored
                 and self.gelu_bits is None and self.layernorm == LayerNormMode.stored
-                and self.preset == Preset.compact)
+                and self.preset == Preset.compact and self.floor_bits is None)
 
     def __post_init__(self):
         _check(self.gelu_bits is None or 1 <= self.gelu_bits <= 8, "activations.gelu_bits",
                self.gelu_bits, "null or an integer in 1..8, e.g. activations.gelu_bits=2")
         _check(self.code_bits in BITS, "activations.code_bits", self.code_bits,
                f"one of {list(BITS)}, e.g. activations.code_bits=4")
+        _check(self.floor_bits is None or self.floor_bits in BITS, "activations.floor_bits",
+               self.floor_bits, f"null or one of {list(BITS)}, e.g. activations.floor_bits=4")
 
 
 @dataclass

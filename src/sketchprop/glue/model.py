@@ -110,10 +110,11 @@ def patch(conf: Config, model) -> tuple[list[str], list[str]]:
         compact = patch_activations(model, dropout=a.dropout.value, attention=a.attention.value,
                                     gelu_bits=a.gelu_bits, gelu_code=a.gelu_code.value,
                                     layernorm=a.layernorm.value, preset=a.preset.value,
-                                    code_bits=a.code_bits, code_group=m.group)
-        log.info("%s: activations %s (dropout %s, attention %s, GELU %s-bit %s, LayerNorm %s): "
-                 "%d modules", conf.model.name, a.preset.value, a.dropout.value,
+                                    code_bits=a.code_bits, code_group=m.group,
+                                    floor_bits=a.floor_bits)
+        log.info("%s: activations %s (dropout %s, attention %s, GELU %s-bit %s, LayerNorm %s, "
+                 "floor %s-bit): %d modules", conf.model.name, a.preset.value, a.dropout.value,
                  a.attention.value, a.gelu_bits, a.gelu_code.value, a.layernorm.value,
-                 len(compact))
+                 a.floor_bits, len(compact))
     return patched, compact
 

@@ -156,6 +156,8 @@ def identity(config: dict, data: dict, world_size: int = 1) -> dict:
         compact.pop("layernorm", None)
     if compact.get("preset", "compact") == "compact":  # added later: neutral when compact
         compact.pop("preset", None)
+    if compact.get("floor_bits") is None:  # added later: neutral when off
+        compact.pop("floor_bits", None)
     if "coded" not in (compact.get("layernorm"), compact.get("attention")):
         compact.pop("code_bits", None)  # read only by the coded parts
     model = config["model"]
