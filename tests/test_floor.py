@@ -134,6 +134,51 @@ def test_what_is_kept_as_it_is_and_what_is_coded():
     assert 16 * 4 in sizes  # small
 
 
+def test_what_a_part_offers_is_coded_and_only_under_a_floor():
+    """A custom Function's saves that it hands to the floor (``offer``) are coded; without a
+    floor open, offering does nothing. The attention that keeps Q, K and V (DistilBERT's, whose
+    projections it cannot make again) offers them: under lean with the floor none of them is
+    kept in full, without the floor all six (two layers) are."""
+    class Offered(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            fl.offer(x)
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * 2 + 0 * x
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            return Offered.apply(x).sum()
+
+    code = 8192 // 2 + 8192 // 64 * 4
+    for floored, size in ((True, code), (False, 8192 * 4)):
+        model = floor_only(Probe()) if floored else Probe()
+        with SavedTensorMeter() as meter:
+            model(torch.randn(64, 128, requires_grad=True)).backward()
+        assert [n for n, _ in meter.records] == [size]
+
+    from sketchprop import patch_linear
+    from sketchprop.bench import families as fam
+
+    full = 4 * 48 * 64 * 4  # one of Q, K, V in float32: batch x tokens x hidden
+    counts = {}
+    for floor_bits in (None, 4):
+        model = fam.build("distilbert")
+        patch_linear(model, bits=4)
+        patch_activations(model, preset="lean", floor_bits=floor_bits)
+        batch = fam.make_batch("distilbert", model)
+        with SavedTensorMeter(model) as meter:
+            loss = model(**batch).loss
+        loss.backward()
+        counts[floor_bits] = sum(n == full for n, _ in meter.records)
+    assert counts == {None: 6, 4: 0}, counts
+
+
 def test_a_non_finite_activation_is_kept_and_its_gradient_exact():
     x = torch.randn(64, 128)
     x[3, 5] = float("inf")

@@ -44,6 +44,7 @@ from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
 from ..functional import first_order, seed_tensor
 from ..rng import SeedStream
+from .floor import offer
 from .projections import _linear_weights, forward_hooks_on
 from .rows import fingerprints, needed_rows, padded, same_rows
 from .seeds import _draw_seed, _drop_threshold, keep_mask
@@ -138,6 +139,7 @@ class _RecomputedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor,
                 bias: Tensor | None = None):
         ctx.scaling, ctx.p = scaling, p
+        offer(q, k, v)  # under the floor, kept as its code (they are the rest of the block's saves)
         ctx.save_for_backward(q, k, v, mask, seed, bias)
         return _attend(q, k, v, mask, scaling, p, int(seed), bias)
 

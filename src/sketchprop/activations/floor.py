@@ -20,7 +20,9 @@ Never coded, kept as they are:
   has a parameter's shape and needs no gradient (a frozen weight cast to half precision);
 - tensors saved by a custom ``autograd.Function`` (``ctx.save_for_backward``): what
   the library's own parts keep (already compact, or exact on purpose), reentrant
-  checkpointing's block inputs, other libraries' fused kernels;
+  checkpointing's block inputs, other libraries' fused kernels; except what a part hands to the
+  floor (:func:`offer`): the attention's Q, K and V where it cannot make them again from its
+  block's input (fused or other projections, QK-norm), which it would otherwise keep in full;
 - tensors below :data:`MIN_NUMEL` elements (a code saves little there and costs a call), tensors
   with a non-finite value (the code's range would be), complex and one-byte tensors.
 
@@ -45,13 +47,14 @@ import weakref
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..codes import SharedCode, mark_shared
 from ..packing import pack_codes, unpack_codes
 from ..quantize import QuantSpec, check_bits, check_group, quantize
 from ..rng import SeedStream
 
-__all__ = ["FLOOR_DTYPES", "MIN_NUMEL", "Floor"]
+__all__ = ["FLOOR_DTYPES", "MIN_NUMEL", "Floor", "offer"]
 
 #: Storages of fewer elements are kept as they are.
 MIN_NUMEL = 4096
@@ -71,6 +74,15 @@ def _stack() -> list:
     if stack is None:
         stack = _local.stack = []
     return stack
+
+
+def offer(*tensors: Tensor) -> None:
+    """Let a floor open in this thread code ``tensors`` when the custom ``autograd.Function``
+    calling this saves them (its saves are otherwise kept as they are); nothing without one."""
+    stack = _stack()
+    if stack and stack[-1] is not None:
+        for t in tensors:
+            stack[-1].offered[t] = True
 
 
 class _Coded:
@@ -163,10 +175,12 @@ class _Call:
         self.frozen_shapes = {s for p in model.parameters() if not p.requires_grad
                               for s in (tuple(p.shape), tuple(p.shape)[::-1])}
         self.codes: dict[tuple, tuple] = {}
+        self.offered = WeakTensorKeyDictionary()  # custom Functions' saves it may code (offer)
         self.hooks = None
 
     def done(self) -> None:
-        self.codes = {}  # the payloads live on in what autograd saved; the map goes
+        # the payloads live on in what autograd saved; the map and the offers go
+        self.codes, self.offered = {}, WeakTensorKeyDictionary()
 
     def _keep_as_is(self, t: Tensor) -> bool:
         if t.layout != torch.strided or t.is_meta or t.dtype not in (*FLOOR_DTYPES, torch.bool,
@@ -216,7 +230,7 @@ class _Call:
     def pack(self, t: Tensor):
         # A custom Function's saves are packed as its apply() returns (its forward ran with grad
         # mode off, as the hook does for every save): that frame calls this one.
-        custom = sys._getframe(1).f_code is _FUNCTION_APPLY
+        custom = sys._getframe(1).f_code is _FUNCTION_APPLY and t not in self.offered
         found = None if custom or self._keep_as_is(t) else self._code(t)
         if found is None:
             kind, what, meta = "tensor", t, None
