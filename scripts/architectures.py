@@ -1,25 +1,39 @@
-"""What ``patch_linear`` does to common architectures, with its defaults, on tiny random models
-(the matrix: ``sketchprop.bench.architectures``, whose docstring describes it).
+"""Every family, every setup: saved bytes over exact's, gradient error and bias, the parts that
+applied and those left (the matrix: ``sketchprop.bench.architectures``, whose docstring describes
+it).
 
-    python scripts/architectures.py                 # results/bench/architectures.*
-    python scripts/architectures.py --quick --out-dir /tmp/arch   # tiny, seconds
+    python scripts/architectures.py                       # results/bench/architectures.*
+    python scripts/architectures.py --width wide --tag wide   # hidden 384: architectures_wide.*
+    python scripts/architectures.py --width wide --time --tag wide_time   # and step time
+    python scripts/architectures.py --families bert,gpt2 --setups int4,lean --out-dir /tmp/arch
 """
 
 import argparse
 
 from sketchprop.bench import architectures
 from sketchprop.bench.common import add_threads_arg
+from sketchprop.bench.families import FAMILIES
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=architectures.__doc__.splitlines()[0])
-    p.add_argument("--architectures", default=",".join(architectures.ARCHITECTURES))
-    p.add_argument("--sketch", default="blocksrht")
-    p.add_argument("--rho", type=float, default=0.1)
-    p.add_argument("--quick", action="store_true", help="tiny sizes: seconds")
+    p.add_argument("--families", default=",".join([*FAMILIES, architectures.CONV]))
+    p.add_argument("--setups", default=",".join(architectures.SETUPS))
+    p.add_argument("--width", choices=list(architectures.WIDTHS), default="tiny")
+    p.add_argument("--steps", type=int, default=4,
+                   help="training steps per setup: the error's mean and the bias's (default 4)")
+    p.add_argument("--time", action="store_true",
+                   help="also time a step of exact, checkpointing and --time-setups")
+    p.add_argument("--time-setups", default=f"int4+lean+floor4,{architectures.LEAN_FLOOR}")
+    p.add_argument("--time-length", type=int, default=512, help="tokens per row when timing")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--tag", default="", help="architectures_<tag>.{json,md}")
     p.add_argument("--out-dir", default=None)
     add_threads_arg(p)
-    architectures.run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (the bias compares the steps' mean with one step)")
+    architectures.run(args)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_bench_suite_remakes_every_committed_benchmark():
         words = shlex.split(body)
         tag = words[words.index("--tag") + 1] if "--tag" in words else ""
         runs.add((words[0].removeprefix("scripts/"), tag))
-    runs.add(("architectures.py", ""))  # make architectures
+    runs.update({("architectures.py", ""), ("architectures.py", "wide")})  # make architectures
     runs.add(("decoder_finetune.py", ""))  # make decoder-finetune
     for path in sorted((REPO_ROOT / "results" / "bench").glob("*.json")):
         words = shlex.split(json.loads(path.read_text())["environment"]["command"])

@@ -24,7 +24,7 @@ One module per benchmark (its script in brackets):
     saved_tensors        what a training forward saves, by autograd node
     decoders             compact activations on decoder LMs: saved bytes by op, step time
     decoder_finetune     a small pretrained causal LM fine-tuned with and without them
-    architectures        what patch_linear does to common architectures
+    architectures        every family under every setup: saved bytes, gradient error, parts, time
     memory_table         Table 3 and Figure 3: saved bytes and peak memory of roberta-base
     readme               the generated blocks of results/bench/README.md (bench_report)
 

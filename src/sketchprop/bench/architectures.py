@@ -1,303 +1,392 @@
-"""What ``patch_linear`` does to common architectures, with its defaults, on tiny random models.
+"""Every family, every setup: what backward keeps, and the gradient error it costs.
 
-BERT and RoBERTa (sequence classification), T5 (conditional generation), Llama and GPT-2 (causal
-LM) and a plain two-layer MLP, each built in code from a small config with random weights (no
-download), on one padded batch: right padding, as HF's collators make it, padding labels -100.
-Each model is patched with ``patch_linear(model, sketch=..., rho=...)`` and every other argument
-at its default (every ``nn.Linear`` and transformers ``Conv1D`` but a language model's
-``lm_head``; Q/K/V and any other layers that read one tensor share one sketch; padding rows
-skipped). Per architecture:
+Each family of :mod:`sketchprop.bench.families` (BERT to ViT, seventeen), built in code from a
+config with random weights (no download) at a width (``--width``: ``tiny``, hidden 64, or
+``wide``, hidden 384 with 12 heads and MLP 1536: several code groups a row), 2 layers, dropout
+off, on one batch padded on the right; and a small conv net, a model with no transformer in it,
+that no part of the library was written for. Each is patched by every setup of :data:`SETUPS`
+(``patch_linear(bits=4)``, the generic floor alone at 8/4/2 bits, the compact and lean presets,
+their combinations) with every other argument at its default. Per family and setup:
 
-- the linear layers patched, and those left exact;
-- the groups of layers that store one shared sketch, read off the saved tensors: a floating-point
-  storage that several layers save for backward (each group is listed once, its block index as N);
-- the bytes one training forward saves for backward (``SavedTensorMeter``: unique storages,
-  parameters excluded), exact and patched;
-- whether the patched forward is bitwise the exact one, and whether ``unpatch_linear`` round-trips
-  exactly: the same module types, the same Parameter objects and state_dict keys, and a training
-  step after unpatching bitwise equal (outputs and every gradient) to one before patching.
+- the bytes one training forward saves for backward over exact's (``SavedTensorMeter``: each
+  storage once, parameters excluded; codes counted as they are kept);
+- the gradient error: ``||g - g_exact||^2 / ||g_exact||^2`` over every parameter, the mean over
+  ``--steps`` steps (each draws its own rounding), ``g_exact`` the unpatched model's gradient on
+  the same batch;
+- the bias: ``||mean of the steps' g - g_exact||^2 / ||g_exact||^2`` over what the mean of
+  ``n`` unbiased draws gives on average (``error / n``): about 1 for an unbiased estimate (its
+  spread with few steps is wide, chi-squared-like), well above 1 where a bias dominates;
+- every parameter that has a gradient unpatched has one patched (``lost``: the count that do not);
+- the parts applied and those left, with their reasons (``patch_activations``' own log line;
+  ``patch_linear``'s layers patched of the model's linear layers);
+- that unpatching gives back the model: after ``unpatch_activations`` and ``unpatch_linear``, a
+  training step bitwise equal (loss and every gradient) to the unpatched model's.
+
+With ``--time``, each family's step time (forward and backward) on full-length rows of
+``--time-length`` tokens (4 rows; the conv net's batch as above): exact, activation
+checkpointing (transformers' ``gradient_checkpointing_enable``, non-reentrant; none for the conv
+net) and the setups of ``--time-setups``, interleaved round-robin and each sample divided by the
+exact steps that bracket it (:func:`~sketchprop.bench.common.interleaved_times`), so the ratios
+hold under a drifting load; the saved bytes of the same batch beside them.
+
+A setup a model has nothing for (``patch_activations`` raises "nothing to patch") shows as a dash
+with its reason.
 """
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-from dataclasses import asdict, dataclass
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from sketchprop import RandomizedLinear, patch_linear, unpatch_linear
+from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
 from sketchprop.measure import SavedTensorMeter
-from sketchprop.patching import _is_linear
+from sketchprop.patching import PARTS_OFF
+from sketchprop.patching.linear import _is_linear
 
-from .common import environment, fmt_table, parse_list, r3, setup_device, write_outputs
+from . import families as fam
+from .common import (
+    environment,
+    fmt_table,
+    interleaved_times,
+    parse_list,
+    ratio_stats,
+    setup_device,
+    write_outputs,
+)
 
-ARCHITECTURES = ("bert", "roberta", "t5", "llama", "gpt2", "mlp")
+#: Every part of ``patch_activations`` off but the floor: the floor alone.
+_FLOOR_ALONE = {k: v for k, v in PARTS_OFF.items() if k != "floor_bits"}
 
-
-@dataclass(frozen=True)
-class Size:
-    """The models' sizes and the batch's."""
-
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    batch: int
-    length: int
-
-    @property
-    def intermediate(self) -> int:
-        return 4 * self.hidden
-
-
-FULL = Size(hidden=256, layers=4, heads=4, vocab=1000, batch=8, length=128)
-QUICK = Size(hidden=32, layers=2, heads=2, vocab=64, batch=4, length=16)
-
-
-def build(arch: str, s: Size) -> nn.Module:
-    """A randomly initialised model of ``arch`` at size ``s`` (dropout as its config's default)."""
-    import transformers as tf
-
-    if arch == "bert":
-        return tf.BertForSequenceClassification(tf.BertConfig(
-            vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
-            num_attention_heads=s.heads, intermediate_size=s.intermediate,
-            max_position_embeddings=s.length, num_labels=2))
-    if arch == "roberta":
-        return tf.RobertaForSequenceClassification(tf.RobertaConfig(
-            vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
-            num_attention_heads=s.heads, intermediate_size=s.intermediate,
-            max_position_embeddings=s.length + 2, pad_token_id=1, num_labels=2))
-    if arch == "t5":
-        return tf.T5ForConditionalGeneration(tf.T5Config(
-            vocab_size=s.vocab, d_model=s.hidden, d_kv=s.hidden // s.heads, d_ff=s.intermediate,
-            num_layers=s.layers, num_heads=s.heads, pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0))
-    if arch == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(
-            vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-            num_hidden_layers=s.layers, num_attention_heads=s.heads,
-            num_key_value_heads=max(1, s.heads // 2),  # grouped-query attention, as Llama 2/3
-            max_position_embeddings=s.length, pad_token_id=0, bos_token_id=1, eos_token_id=2))
-    if arch == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(
-            vocab_size=s.vocab, n_positions=s.length, n_embd=s.hidden, n_layer=s.layers,
-            n_head=s.heads, bos_token_id=0, eos_token_id=0))
-    if arch == "mlp":
-        return nn.Sequential(nn.Linear(s.hidden, s.intermediate), nn.GELU(),
-                             nn.Linear(s.intermediate, s.hidden))
-    raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
+#: Setup name: (``patch_linear``'s bits or None, ``patch_activations``' arguments or None).
+SETUPS: dict[str, tuple[int | None, dict | None]] = {
+    "int4": (4, None),
+    "floor8": (None, {**_FLOOR_ALONE, "floor_bits": 8}),
+    "floor4": (None, {**_FLOOR_ALONE, "floor_bits": 4}),
+    "floor2": (None, {**_FLOOR_ALONE, "floor_bits": 2}),
+    "compact": (None, {}),
+    "int4+compact": (4, {}),
+    "lean": (None, {"preset": "lean"}),
+    "int4+lean": (4, {"preset": "lean"}),
+    "int4+lean+floor8": (4, {"preset": "lean", "floor_bits": 8}),
+    "int4+lean+floor4": (4, {"preset": "lean", "floor_bits": 4}),
+    # lean less its GELU code: GELU's input left to the floor's 4-bit code, not lean's 2-bit
+    # code of GELU's derivative
+    "int4+lean-gelu+floor4": (4, {"preset": "lean", "floor_bits": 4, "gelu_bits": None}),
+    # lean with a 4-bit code of GELU's derivative, as many bits as the floor's code of its input
+    "int4+lean(gelu4)+floor4": (4, {"preset": "lean", "floor_bits": 4, "gelu_bits": 4}),
+}
+#: The setup the measurements pick for lean with the floor (docs/library.md, "The generic floor").
+LEAN_FLOOR = "int4+lean-gelu+floor4"
+WIDTHS = {"tiny": fam.TINY, "wide": fam.WIDE}
+CONV = "convnet"
 
 
-def make_batch(arch: str, s: Size) -> dict:
-    """One batch: lengths from the full ``s.length`` down to about half, padded on the right."""
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([s.length - (s.length * i) // (2 * s.batch) for i in range(s.batch)])
-    mask = (torch.arange(s.length)[None, :] < lengths[:, None]).long()
-    if arch == "mlp":
-        return {"x": torch.randn(s.batch, s.length, s.hidden, generator=g),
-                "y": torch.randn(s.batch, s.length, s.hidden, generator=g)}
-    pad = 1 if arch == "roberta" else 0
-    ids = torch.randint(3, s.vocab, (s.batch, s.length), generator=g).masked_fill(mask == 0, pad)
-    data = {"input_ids": ids, "attention_mask": mask}
-    if arch in ("bert", "roberta"):
-        data["labels"] = torch.randint(0, 2, (s.batch,), generator=g)
-    elif arch == "t5":  # targets half as long as the inputs, padded with -100
-        out_len = s.length // 2
-        labels = torch.randint(3, s.vocab, (s.batch, out_len), generator=g)
-        data["labels"] = labels.masked_fill(torch.arange(out_len)[None, :] >= lengths[:, None] // 2,
-                                            -100)
-    else:
-        data["labels"] = ids.masked_fill(mask == 0, -100)
-    return data
+class ConvNet(nn.Module):
+    """A small image classifier with no transformer in it: convolutions, batch norm, ReLU, SiLU,
+    max-pooling, GELU and a linear head; its forward returns its loss, as a transformers model's
+    does."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        c = width // 4
+        self.body = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+                                  nn.Conv2d(c, 2 * c, 3, padding=1), nn.SiLU(), nn.MaxPool2d(2),
+                                  nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.GELU())
+        self.head = nn.Linear(2 * c * 16 * 16, 10)
+
+    def forward(self, pixel_values, labels):
+        logits = self.head(self.body(pixel_values).flatten(1))
+        return SimpleNamespace(loss=nn.functional.cross_entropy(logits, labels), logits=logits)
 
 
-def loss_and_output(model: nn.Module, data: dict):
-    """The training loss and the output (logits, or the MLP's output) of one forward pass."""
-    if "x" in data:
-        out = model(data["x"])
-        return nn.functional.mse_loss(out, data["y"]), out
-    out = model(**data)
-    return out.loss, out.logits
+def build(name: str, width: fam.Width) -> tuple[nn.Module, dict]:
+    """Family ``name`` (or the conv net) at ``width`` and its batch."""
+    if name == CONV:
+        torch.manual_seed(0)
+        model = ConvNet(width.hidden).train()
+        g = torch.Generator().manual_seed(0)
+        return model, {"pixel_values": torch.randn(8, 3, 32, 32, generator=g),
+                       "labels": torch.randint(0, 10, (8,), generator=g)}
+    model = fam.build(name, width)
+    return model, fam.make_batch(name, model)
 
 
-def step(model: nn.Module, data: dict):
-    """Output and parameter gradients of one training step; dropout reseeded, so steps compare."""
+def grads(model: nn.Module, batch: dict, meter: bool = False) -> tuple[dict, torch.Tensor, int]:
+    """One training step's gradients, its loss and (``meter``) the bytes its forward saved."""
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)
-    loss, out = loss_and_output(model, data)
+    saved = 0
+    if meter:
+        with SavedTensorMeter(model) as m:
+            loss = model(**batch).loss
+        saved = m.bytes
+    else:
+        loss = model(**batch).loss
     loss.backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                          if p.grad is not None}
+    return ({n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}, loss.detach(), saved)
 
 
-def saved_bytes(model: nn.Module, data: dict) -> int:
-    """Bytes one training forward saves for backward."""
-    torch.manual_seed(0)
-    with SavedTensorMeter(model) as meter:
-        loss, _ = loss_and_output(model, data)
-    loss.backward()
-    return meter.bytes
+def flat(g: dict, names: list[str]) -> torch.Tensor:
+    return torch.cat([g[n].double().flatten() for n in names])
 
 
-def shared_groups(model: nn.Module, data: dict) -> list[list[str]]:
-    """Groups of patched layers that save one floating-point storage (a shared sketch)."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, RandomizedLinear)}
-    current: list[str | None] = [None]
-    savers: dict[tuple, set] = {}
+class _Lines(logging.Handler):
+    """The log lines of ``sketchprop.patching`` while a setup is patched."""
 
-    def pack(t):
-        if current[0] is not None and t.is_floating_point():
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            savers.setdefault(key, set()).add(current[0])
-        return t
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
 
-    hooks = [h for n, m in layers.items() for h in (
-        m.register_forward_pre_hook(lambda *a, n=n: current.__setitem__(0, n)),
-        m.register_forward_hook(lambda *a: current.__setitem__(0, None)))]
-    torch.manual_seed(0)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = loss_and_output(model, data)
-    for h in hooks:
-        h.remove()
-    loss.backward()
-    order = list(layers)
-    groups = {tuple(sorted(names, key=order.index)) for names in savers.values() if len(names) > 1}
-    return sorted(map(list, groups), key=lambda g: order.index(g[0]))
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
-def describe(groups: list[list[str]]) -> list[str]:
-    """Each distinct group once: its members' common prefix with the block index (the first
-    number in a name) as N, the members after it, and how many such groups (or 'all N blocks'
-    for one group that spans blocks)."""
-    seen: Counter = Counter()
-    spans: dict[str, int] = {}
-    for group in groups:
-        blockless = [re.sub(r"\.\d+\.", ".N.", n, count=1) for n in group]
-        pattern = sorted(set(blockless), key=blockless.index)
-        parts = [p.split(".") for p in pattern]
-        common = 0
-        while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
-            common += 1
-        text = ".".join(parts[0][:common]) + ".{" + ", ".join(
-            ".".join(p[common:]) for p in parts) + "}"
-        seen[text] += 1
-        spans[text] = len(group) // len(pattern)
-    return [f"{text} " + (f"(one sketch for all {spans[text]} blocks)" if spans[text] > 1
-                          else f"(x{n})")
-            for text, n in seen.items()]
+@dataclass
+class Cell:
+    """One family under one setup."""
+
+    setup: str
+    saved_ratio: float | None = None
+    error: float | None = None
+    bias_ratio: float | None = None
+    lost: int = 0
+    linear_patched: str = ""
+    parts: str = ""
+    refused: str = ""
+    round_trip_exact: bool | None = None
+    seconds: float = 0.0
 
 
 @dataclass
 class Row:
-    """What one architecture gives (a row of the table, a record of the JSON)."""
+    """One family under every setup."""
 
-    architecture: str
+    family: str
     model: str
-    linear_layers: int
-    patched: int
-    patched_types: dict
-    left_exact: list
-    shared_groups: list
-    shared: list
-    real_rows: int
-    rows: int
     saved_bytes_exact: int
-    saved_bytes_patched: int
-    saved_ratio: float
-    forward_exact: bool
-    round_trip_exact: bool
+    cells: list = field(default_factory=list)
 
 
-def measure(arch: str, s: Size, sketch: str, rho: float) -> Row:
-    """One architecture patched, measured and unpatched: its row of the table."""
-    torch.manual_seed(0)
-    model = build(arch, s).train()
-    data = make_batch(arch, s)
+def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tuple) -> Cell:
+    """Family ``name`` patched by ``setup``: its cell (module docstring)."""
+    ref, ref_loss, exact_bytes = exact
+    bits, activations = SETUPS[setup]
+    cell = Cell(setup)
+    start = time.perf_counter()
+    model, batch = build(name, width)
     linear = [n for n, m in model.named_modules() if _is_linear(m)]
-    types = {n: type(m) for n, m in model.named_modules()}
-    params = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    exact_bytes = saved_bytes(model, data)
-    out_before, grads_before = step(model, data)
+    handler, log = _Lines(), logging.getLogger("sketchprop.patching")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        if bits is not None:
+            cell.linear_patched = f"{len(patch_linear(model, bits=bits))} of {len(linear)}"
+        if activations is not None:
+            try:
+                patch_activations(model, **activations)
+            except ValueError as err:
+                if "nothing to patch" not in str(err):
+                    raise
+                cell.refused = str(err)
+                return cell
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    cell.parts = "; ".join(line.split("): ", 1)[-1] for line in handler.lines
+                           if line.startswith("patch_activations("))
+    names = list(ref)
+    exact_flat = flat(ref, names)
+    norm = float(exact_flat.pow(2).sum())
+    total, errors = torch.zeros_like(exact_flat), []
+    for step in range(steps):
+        g, _, saved = grads(model, batch, meter=step == 0)
+        if step == 0:
+            cell.saved_ratio = saved / exact_bytes
+            cell.lost = sum(n not in g for n in names)
+        g = {n: g.get(n, torch.zeros_like(ref[n])) for n in names}
+        gf = flat(g, names)
+        total += gf
+        errors.append(float((gf - exact_flat).pow(2).sum()) / norm)
+    cell.error = sum(errors) / steps
+    bias = float((total / steps - exact_flat).pow(2).sum()) / norm
+    cell.bias_ratio = bias / (cell.error / steps) if cell.error > 0 else math.nan
+    if activations is not None:
+        unpatch_activations(model)
+    if bits is not None:
+        unpatch_linear(model)
+    back, loss, _ = grads(model, batch)
+    cell.round_trip_exact = torch.equal(loss, ref_loss) and back.keys() == ref.keys() and all(
+        torch.equal(back[n], ref[n]) for n in ref)
+    cell.seconds = time.perf_counter() - start
+    return cell
 
-    names = patch_linear(model, sketch=sketch, rho=rho)
-    patched_types = Counter(types[n].__name__ for n in names)
-    groups = shared_groups(model, data)
-    patched_bytes = saved_bytes(model, data)
-    out_patched, _ = step(model, data)
-    unpatch_linear(model)
-    out_after, grads_after = step(model, data)
-    round_trip = (
-        {n: type(m) for n, m in model.named_modules()} == types
-        and all(p is params[n] for n, p in model.named_parameters())
-        and list(model.state_dict()) == keys
-        and torch.equal(out_after, out_before)
-        and grads_after.keys() == grads_before.keys()
-        and all(torch.equal(grads_after[n], g) for n, g in grads_before.items()))
-    mask = data.get("attention_mask")
-    rows = s.batch * s.length
-    return Row(
-        architecture=arch, model=type(model).__name__, linear_layers=len(linear),
-        patched=len(names), patched_types=dict(patched_types),
-        left_exact=[n for n in linear if n not in names], shared_groups=groups,
-        shared=describe(groups), real_rows=int(mask.sum()) if mask is not None else rows,
-        rows=rows, saved_bytes_exact=exact_bytes, saved_bytes_patched=patched_bytes,
-        saved_ratio=patched_bytes / exact_bytes, forward_exact=torch.equal(out_patched, out_before),
-        round_trip_exact=round_trip)
+
+def measure(name: str, width: fam.Width, setups: list[str], steps: int) -> Row:
+    """One family under ``setups``: its row."""
+    model, batch = build(name, width)
+    ref, loss, _ = grads(model, batch)
+    _, _, exact_bytes = grads(model, batch, meter=True)
+    row = Row(name, type(model).__name__, exact_bytes)
+    for setup in setups:
+        row.cells.append(asdict(measure_setup(name, width, setup, steps, (ref, loss, exact_bytes))))
+    return row
+
+
+def timing_batch(name: str, model: nn.Module, length: int) -> dict:
+    """Four full-length rows of ``length`` tokens (no padding: exact skips nothing that a saving
+    could), with the family's target; the conv net's and ViT's images as for the matrix."""
+    if name == CONV or fam.FAMILIES[name].kind == "image":
+        return build(name, fam.TINY)[1] if name == CONV else fam.make_batch(name, model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (4, length), generator=g)
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    kind = fam.FAMILIES[name].kind
+    if kind == "classify":
+        data["labels"] = torch.randint(0, model.config.num_labels, (4,), generator=g)
+    elif kind == "seq2seq":
+        data["labels"] = torch.randint(3, model.config.vocab_size, (4, length // 2), generator=g)
+    else:
+        data["labels"] = ids
+    return data
+
+
+def time_family(name: str, width: fam.Width, setups: list[str], length: int, repeats: int,
+                dev: torch.device) -> dict:
+    """Family ``name``'s step time under exact, checkpointing and ``setups`` (module docstring):
+    ``{method: {"median_s", "ratio", ..., "saved_ratio"}}``."""
+    models = {}
+    exact, _ = build(name, width)
+    models["exact"] = exact
+    if getattr(exact, "supports_gradient_checkpointing", False):
+        ckpt, _ = build(name, width)
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models["checkpointing"] = ckpt
+    for setup in setups:
+        model, _ = build(name, width)
+        bits, activations = SETUPS[setup]
+        if bits is not None:
+            patch_linear(model, bits=bits)
+        if activations is not None:
+            patch_activations(model, **activations)
+        models[setup] = model
+    batch = timing_batch(name, exact, length)
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+        return run
+
+    saved = {m: grads(model, batch, meter=True)[2] for m, model in models.items()}
+    stats = ratio_stats(interleaved_times({m: step(model) for m, model in models.items()}, dev,
+                                          warmup=1, repeats=repeats), "exact")
+    for m in stats:
+        stats[m]["saved_ratio"] = saved[m] / saved["exact"]
+    return stats
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def tables(payload: dict) -> str:
-    """The markdown table and its notes."""
-    a = payload["args"]
-    s = payload["size"]
-    lines = [[r["architecture"], r["model"],
-              f"{r['patched']} of {r['linear_layers']} ("
-              + ", ".join(f"{n} {t}" for t, n in r["patched_types"].items()) + ")",
-              ", ".join(f"`{n}`" for n in r["left_exact"]) or "-",
-              "<br>".join(f"`{g}`" for g in r["shared"]) or "none",
-              f"{r['saved_bytes_exact'] / 1e6:.2f}", f"{r['saved_bytes_patched'] / 1e6:.2f}",
-              r3(r["saved_ratio"]), "yes" if r["forward_exact"] else "NO",
-              "yes" if r["round_trip_exact"] else "NO"]
-             for r in payload["results"]]
-    title = (f"patch_linear(model, sketch={a['sketch']!r}, rho={a['rho']:g}), other arguments "
-             f"at their defaults; random weights, hidden {s['hidden']}, {s['layers']} layers, "
-             f"{s['heads']} heads, batch {s['batch']} x {s['length']} tokens padded on the right "
-             f"({payload['results'][0]['real_rows']} real rows of {payload['results'][0]['rows']})")
-    notes = [
-        "",
-        "- Only the linear layers' inputs shrink. Attention probabilities, dropout masks and the "
-        "inputs of normalisations and activations are saved as before, and a language model's "
-        "logits (its lm_head is left exact), so the ratio stays well above rho.",
-        "- GPT-2's `c_attn` computes Q, K and V as one layer (transformers' `Conv1D`, its weight "
-        "kept as stored): one input, one sketch, nothing left to share.",
-        "- T5's cross-attention keys and values of every decoder block read the encoder's output: "
-        "one sketch serves them all. The encoder's padding rows are skipped (the targets are half "
-        "as long as the inputs; a decoder sequence as long as the encoder's would skip none).",
-        "- The plain MLP has no attention mask: all its rows are sketched.",
-    ]
-    return fmt_table(
-        ["architecture", "model", "linear layers patched", "left exact", "one sketch shared by",
-         "saved MB, exact", f"saved MB, rho {a['rho']:g}", "ratio", "forward bitwise exact",
-         "unpatch round trip exact"], lines, title=title) + "\n" + "\n".join(notes) + "\n"
+    """The markdown tables: saved bytes, gradient error, bias, and each family's parts."""
+    a, rows = payload["args"], payload["results"]
+    setups = [c["setup"] for c in rows[0]["cells"]]
+    w = payload["width"]
+    where = (f"random weights, hidden {w['hidden']}, {w['heads']} heads, MLP {w['mlp']}, "
+             f"{w['layers']} layers, batch 4 x 48 tokens padded on the right (the conv net: 8 "
+             f"images 32 x 32); {a['steps']} steps per setup")
+    out = []
+
+    def cell_table(title, value):
+        lines = [[r["family"], *(("-" if c["refused"] else value(c)) for c in r["cells"])]
+                 for r in rows]
+        out.append(fmt_table(["family", *setups], lines, title=f"{title}; {where}"))
+
+    cell_table("Saved bytes over exact's", lambda c: _fmt(c["saved_ratio"], ".3f"))
+    cell_table("Gradient error ||g - g_exact||^2 / ||g_exact||^2 (mean over the steps)",
+               lambda c: _fmt(c["error"], ".1e"))
+    cell_table("Bias: ||mean g - g_exact||^2 over error / steps (about 1: unbiased; well above: "
+               "a bias dominates)", lambda c: _fmt(c["bias_ratio"], ".1f"))
+    lines = []
+    for r in rows:
+        cells = {c["setup"]: c for c in r["cells"]}
+        lean, int4 = cells.get(LEAN_FLOOR) or r["cells"][-1], cells.get("int4")
+        lost = sum(c["lost"] for c in r["cells"])
+        trip = all(c["round_trip_exact"] in (True, None) for c in r["cells"])
+        lines.append([r["family"], r["model"], f"{r['saved_bytes_exact'] / 1e6:.2f}",
+                      int4["linear_patched"] if int4 else "-",
+                      lean["parts"] or lean["refused"] or "-", str(lost),
+                      "yes" if trip else "NO"])
+    out.append(fmt_table(
+        ["family", "model", "saved MB, exact", "linear layers patched (int4)",
+         f"patch_activations ({lean['setup']}): applied; left (why)",
+         "parameters without a gradient (all setups)", "unpatch round trip exact"],
+        lines, title="What applies to each family"))
+    if payload.get("times"):
+        methods = list(next(iter(payload["times"].values())))
+        methods = ["checkpointing", *[m for m in methods if m not in ("exact", "checkpointing")]]
+        lines = []
+        for family, stats in payload["times"].items():
+            row = [family, f"{stats['exact']['median_s']:.3f}"]
+            for m in methods:
+                st = stats.get(m)
+                row.append("-" if st is None else f"{st['ratio']:.2f} [{st['ratio_q1']:.2f}, "
+                           f"{st['ratio_q3']:.2f}] / {st['saved_ratio']:.3f}")
+            ck = stats.get("checkpointing")
+            row.append("-" if ck is None else ", ".join(
+                f"{m}: {'yes' if stats[m]['ratio'] < ck['ratio'] else 'NO'}" for m in methods[1:]))
+            lines.append(row)
+        out.append(fmt_table(
+            ["family", "exact s/step", *[f"{m}: time / exact [quartiles] / saved bytes / exact"
+                                         for m in methods], "faster than checkpointing"], lines,
+            title=f"Step time on {a['time_length']} full-length tokens x 4 rows (hidden "
+                  f"{w['hidden']}, {w['layers']} layers; {a['repeats']} interleaved rounds, each "
+                  f"ratio to the exact steps around it), {payload['environment'].get('cpu')}, "
+                  f"{payload['environment'].get('torch_threads')} threads"))
+    refused = [f"- {r['family']}, {c['setup']}: {c['refused']}" for r in rows for c in r["cells"]
+               if c["refused"]]
+    return "\n\n".join(out) + "\n" + ("\nRefused:\n\n" + "\n".join(refused) + "\n"
+                                      if refused else "")
 
 
 def run(args) -> None:
     """The matrix as ``scripts/architectures.py`` runs it (its options in ``args``): write
-    ``architectures[_quick].{json,md}`` and print the table with its notes."""
+    ``architectures[_<tag>].{json,md}`` and print the tables."""
     dev = setup_device("cpu", args.threads)
     env = environment(dev)
-    size = QUICK if args.quick else FULL
+    width = WIDTHS[args.width]
+    setups = parse_list(args.setups)
+    unknown = [s for s in setups if s not in SETUPS]
+    names = parse_list(args.families)
+    unknown += [n for n in names if n not in fam.FAMILIES and n != CONV]
+    if unknown:
+        raise SystemExit(f"unknown setup or family {unknown}; setups: {list(SETUPS)}; families: "
+                         f"{[*fam.FAMILIES, CONV]}")
     results = []
-    for arch in parse_list(args.architectures):
-        row = measure(arch, size, args.sketch, args.rho)
-        print(f"{arch}: {row.patched} patched, saved {row.saved_ratio:.3f} of exact, round trip "
-              f"{'exact' if row.round_trip_exact else 'NOT exact'}", flush=True)
+    for name in names:
+        row = measure(name, width, setups, args.steps)
         results.append(asdict(row))
-    payload = {"environment": env, "args": vars(args), "size": asdict(size),
-               "results": results}
-    write_outputs("architectures" + ("_quick" if args.quick else ""), payload, tables(payload),
+        print(f"{name}: " + ", ".join(f"{c['setup']} {_fmt(c['saved_ratio'], '.3f')}"
+                                      for c in row.cells), flush=True)
+    times = {}
+    if args.time:
+        for name in names:
+            times[name] = time_family(name, width, parse_list(args.time_setups), args.time_length,
+                                      args.repeats, dev)
+            print(f"{name}: " + ", ".join(f"{m} {st['ratio']:.2f}" for m, st in
+                                          times[name].items()), flush=True)
+    payload = {"environment": env, "args": vars(args), "width": asdict(width),
+               "results": results, "times": times}
+    text = tables(payload)
+    write_outputs("architectures" + (f"_{args.tag}" if args.tag else ""), payload, text,
                   args.out_dir)
-    print(tables(payload))
+    print(text)

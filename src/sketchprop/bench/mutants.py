@@ -178,7 +178,7 @@ MUTANTS: list[Mutant] = [
            "DEFAULT_EXCLUDE = None",
            "the default patches a language model's lm_head (tied to the input embedding)",
            ("tests/test_patching.py::test_gpt2_conv1d_layers_patched_lm_head_left_exact_and_tied",
-            "tests/test_architectures.py::test_architectures_quick")),
+            "tests/test_architectures.py::test_every_family_and_a_conv_net")),
     Mutant("lm-head-unpatched-by-resize", PA,
            "    _swap(model, back)\n    return out",
            "    return out",
