@@ -23,7 +23,8 @@ their combinations) with every other argument at its default. Per family and set
   training step bitwise equal (loss and every gradient) to the unpatched model's.
 
 With ``--time``, each family's step time (forward and backward) on full-length rows of
-``--time-length`` tokens (4 rows; the conv net's batch as above): exact, activation
+``--time-length`` tokens (4 rows; ViT: 4 images of about as many patches; the conv net's batch
+as above): exact, activation
 checkpointing (transformers' ``gradient_checkpointing_enable``, non-reentrant; none for the conv
 net) and the setups of ``--time-setups``, interleaved round-robin and each sample divided by the
 exact steps that bracket it (:func:`~sketchprop.bench.common.interleaved_times`), so the ratios
@@ -105,15 +106,24 @@ class ConvNet(nn.Module):
         return SimpleNamespace(loss=nn.functional.cross_entropy(logits, labels), logits=logits)
 
 
-def build(name: str, width: fam.Width) -> tuple[nn.Module, dict]:
-    """Family ``name`` (or the conv net) at ``width`` and its batch."""
+def build(name: str, width: fam.Width, positions: int | None = None) -> tuple[nn.Module, dict]:
+    """Family ``name`` (or the conv net) at ``width`` and its batch; ``positions``: room for rows
+    of that many tokens where the config sets a maximum (RoBERTa's positions start after its
+    padding index)."""
     if name == CONV:
         torch.manual_seed(0)
         model = ConvNet(width.hidden).train()
         g = torch.Generator().manual_seed(0)
         return model, {"pixel_values": torch.randn(8, 3, 32, 32, generator=g),
                        "labels": torch.randint(0, 10, (8,), generator=g)}
-    model = fam.build(name, width)
+    room = {}
+    if positions is not None:
+        config = fam.config_of(name, width)
+        room = {k: positions + 2 for k in ("max_position_embeddings", "n_positions")
+                if getattr(config, k, None) is not None}
+        if fam.FAMILIES[name].kind == "image":  # images of about ``positions`` patches
+            room = {"image_size": config.patch_size * math.isqrt(positions)}
+    model = fam.build(name, width, **room)
     return model, fam.make_batch(name, model)
 
 
@@ -243,7 +253,8 @@ def measure(name: str, width: fam.Width, setups: list[str], steps: int) -> Row:
 
 def timing_batch(name: str, model: nn.Module, length: int) -> dict:
     """Four full-length rows of ``length`` tokens (no padding: exact skips nothing that a saving
-    could), with the family's target; the conv net's and ViT's images as for the matrix."""
+    could), with the family's target; four images of about ``length`` patches for ViT (the model
+    built for them), the conv net's batch as for the matrix."""
     if name == CONV or fam.FAMILIES[name].kind == "image":
         return build(name, fam.TINY)[1] if name == CONV else fam.make_batch(name, model)
     g = torch.Generator().manual_seed(0)
@@ -264,19 +275,24 @@ def time_family(name: str, width: fam.Width, setups: list[str], length: int, rep
     """Family ``name``'s step time under exact, checkpointing and ``setups`` (module docstring):
     ``{method: {"median_s", "ratio", ..., "saved_ratio"}}``."""
     models = {}
-    exact, _ = build(name, width)
+    exact, _ = build(name, width, length)
     models["exact"] = exact
     if getattr(exact, "supports_gradient_checkpointing", False):
-        ckpt, _ = build(name, width)
+        ckpt, _ = build(name, width, length)
         ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         models["checkpointing"] = ckpt
     for setup in setups:
-        model, _ = build(name, width)
+        model, _ = build(name, width, length)
         bits, activations = SETUPS[setup]
         if bits is not None:
             patch_linear(model, bits=bits)
         if activations is not None:
-            patch_activations(model, **activations)
+            try:
+                patch_activations(model, **activations)
+            except ValueError as err:  # refused as in the matrix: not timed
+                if "nothing to patch" not in str(err) and "the model has no" not in str(err):
+                    raise
+                continue
         models[setup] = model
     batch = timing_batch(name, exact, length)
 
@@ -334,8 +350,9 @@ def tables(payload: dict) -> str:
          "parameters without a gradient (all setups)", "unpatch round trip exact"],
         lines, title="What applies to each family"))
     if payload.get("times"):
-        methods = list(next(iter(payload["times"].values())))
-        methods = ["checkpointing", *[m for m in methods if m not in ("exact", "checkpointing")]]
+        methods = ["checkpointing"]
+        for stats in payload["times"].values():  # in order; a family may lack a setup
+            methods += [m for m in stats if m not in ("exact", *methods)]
         lines = []
         for family, stats in payload["times"].items():
             row = [family, f"{stats['exact']['median_s']:.3f}"]
@@ -345,7 +362,8 @@ def tables(payload: dict) -> str:
                            f"{st['ratio_q3']:.2f}] / {st['saved_ratio']:.3f}")
             ck = stats.get("checkpointing")
             row.append("-" if ck is None else ", ".join(
-                f"{m}: {'yes' if stats[m]['ratio'] < ck['ratio'] else 'NO'}" for m in methods[1:]))
+                f"{m}: {'yes' if stats[m]['ratio'] < ck['ratio'] else 'NO'}" for m in methods[1:]
+                if m in stats))
             lines.append(row)
         out.append(fmt_table(
             ["family", "exact s/step", *[f"{m}: time / exact [quartiles] / saved bytes / exact"
