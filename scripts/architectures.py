@@ -25,7 +25,7 @@ def main(argv=None) -> None:
     p.add_argument("--time", action="store_true",
                    help="also time a step of exact, checkpointing and --time-setups")
     p.add_argument("--time-setups",
-                   default=f"int4+lean+floor4,{architectures.LEAN_FLOOR},int4+lean(gelu4)+floor4")
+                   default=f"int4+lean+floor4,int4+lean-gelu+floor4,{architectures.LEAN_FLOOR}")
     p.add_argument("--time-length", type=int, default=512, help="tokens per row when timing")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--tag", default="", help="architectures_<tag>.{json,md}")

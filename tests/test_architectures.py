@@ -1,5 +1,5 @@
 """scripts/architectures.py on every family at the tiny width, with the setups the targets name:
-the floor alone and int4 + lean with the floor (GELU's input left to it) within their bounds of
+the floor alone and int4 + lean with the floor (and a 4-bit GELU code) within their bounds of
 exact's saved bytes, lean's gradient error within twice int4's, every gradient kept, the layers
 patched, the round trip exact (the committed results/bench/architectures.md is the full
 matrix)."""

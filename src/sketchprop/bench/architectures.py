@@ -83,7 +83,7 @@ SETUPS: dict[str, tuple[int | None, dict | None]] = {
     "int4+lean(gelu4)+floor4": (4, {"preset": "lean", "floor_bits": 4, "gelu_bits": 4}),
 }
 #: The setup the measurements pick for lean with the floor (docs/library.md, "The generic floor").
-LEAN_FLOOR = "int4+lean-gelu+floor4"
+LEAN_FLOOR = "int4+lean(gelu4)+floor4"
 WIDTHS = {"tiny": fam.TINY, "wide": fam.WIDE}
 CONV = "convnet"
 
