@@ -30,8 +30,9 @@ net) and the setups of ``--time-setups``, interleaved round-robin and each sampl
 exact steps that bracket it (:func:`~sketchprop.bench.common.interleaved_times`), so the ratios
 hold under a drifting load; the saved bytes of the same batch beside them.
 
-A setup a model has nothing for (``patch_activations`` raises "nothing to patch", or a part the
-setup names, a GELU code, finds no module) shows as a dash with its reason.
+A setup's GELU code applies where the model has a GELU (elsewhere the setup is the same without
+it). A setup a model has nothing for (``patch_activations`` raises "nothing to patch") shows as a
+dash with its reason.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
+from sketchprop.activations import is_exact_gelu, is_tanh_gelu
 from sketchprop.measure import SavedTensorMeter
 from sketchprop.patching import PARTS_OFF
 from sketchprop.patching.linear import _is_linear
@@ -195,6 +197,9 @@ def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tu
     log.addHandler(handler)
     level = log.level
     log.setLevel(logging.INFO)
+    if activations is not None and activations.get("gelu_bits") is not None and not any(
+            is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
+        activations = {k: v for k, v in activations.items() if k != "gelu_bits"}  # no GELU
     try:
         if bits is not None:
             cell.linear_patched = f"{len(patch_linear(model, bits=bits))} of {len(linear)}"
@@ -284,6 +289,9 @@ def time_family(name: str, width: fam.Width, setups: list[str], length: int, rep
     for setup in setups:
         model, _ = build(name, width, length)
         bits, activations = SETUPS[setup]
+        if activations is not None and activations.get("gelu_bits") is not None and not any(
+                is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
+            activations = {k: v for k, v in activations.items() if k != "gelu_bits"}
         if bits is not None:
             patch_linear(model, bits=bits)
         if activations is not None:
