@@ -179,6 +179,30 @@ def test_what_a_part_offers_is_coded_and_only_under_a_floor():
     assert counts == {None: 6, 4: 0}, counts
 
 
+def test_a_save_after_an_in_place_change_is_coded_anew():
+    """A storage saved, changed in place, then saved again: the second save codes the new values
+    (reusing the first code gave half the true gradient, silently)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(128, 128)
+
+        def forward(self, x):
+            h = self.lin(x)
+            h.view(-1).sin()  # saves h, unused
+            h.mul_(2)
+            return h.square().sum()
+
+    torch.manual_seed(0)
+    plain = Net()
+    floored = floor_only(copy.deepcopy(plain), bits=8)
+    x = torch.randn(64, 128)
+    plain(x).backward()
+    floored(x).backward()
+    g, ref = floored.lin.weight.grad, plain.lin.weight.grad
+    assert ((g - ref).pow(2).sum() / ref.pow(2).sum()) < 1e-3
+
+
 def test_a_non_finite_activation_is_kept_and_its_gradient_exact():
     x = torch.randn(64, 128)
     x[3, 5] = float("inf")

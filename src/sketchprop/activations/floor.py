@@ -200,7 +200,8 @@ class _Call:
         """How ``t``'s storage is coded and its payload: found where this call coded it already,
         else made (None where the storage holds a non-finite value)."""
         storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr(), storage.nbytes(), t.dtype)
+        # the version too: a save after an in-place change must not read the code made before it
+        key = (t.device, storage.data_ptr(), storage.nbytes(), t.dtype, t._version)
         hit = self.codes.get(key)
         if hit is not None and not hit[0].expired():  # (expired: another storage, same address)
             return hit[1]
