@@ -185,6 +185,28 @@ class Row:
     cells: list = field(default_factory=list)
 
 
+def apply_setup(model: nn.Module, setup: str) -> tuple[str, str]:
+    """Patch ``model`` by ``setup`` (its GELU code only where the model has a GELU): the linear
+    layers patched of the model's (``"k of n"``, or ``""``), and ``patch_activations``' refusal
+    where nothing of it applies (else ``""``)."""
+    bits, activations = SETUPS[setup]
+    if activations is not None and activations.get("gelu_bits") is not None and not any(
+            is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
+        activations = {k: v for k, v in activations.items() if k != "gelu_bits"}  # no GELU
+    linear = ""
+    if bits is not None:
+        count = sum(_is_linear(m) for m in model.modules())
+        linear = f"{len(patch_linear(model, bits=bits))} of {count}"
+    if activations is not None:
+        try:
+            patch_activations(model, **activations)
+        except ValueError as err:
+            if "nothing to patch" not in str(err):
+                raise
+            return linear, str(err)
+    return linear, ""
+
+
 def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tuple) -> Cell:
     """Family ``name`` patched by ``setup``: its cell (module docstring)."""
     ref, ref_loss, exact_bytes = exact
@@ -192,30 +214,17 @@ def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tu
     cell = Cell(setup)
     start = time.perf_counter()
     model, batch = build(name, width)
-    linear = [n for n, m in model.named_modules() if _is_linear(m)]
     handler, log = _Lines(), logging.getLogger("sketchprop.patching")
     log.addHandler(handler)
     level = log.level
     log.setLevel(logging.INFO)
-    if activations is not None and activations.get("gelu_bits") is not None and not any(
-            is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
-        activations = {k: v for k, v in activations.items() if k != "gelu_bits"}  # no GELU
     try:
-        if bits is not None:
-            cell.linear_patched = f"{len(patch_linear(model, bits=bits))} of {len(linear)}"
-        if activations is not None:
-            try:
-                patch_activations(model, **activations)
-            except ValueError as err:
-                # nothing applies, or a part the setup names explicitly (a GELU code) has no
-                # module to apply to: a dash with the reason
-                if "nothing to patch" not in str(err) and "the model has no" not in str(err):
-                    raise
-                cell.refused = str(err)
-                return cell
+        cell.linear_patched, cell.refused = apply_setup(model, setup)
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+    if cell.refused:
+        return cell
     cell.parts = "; ".join(line.split("): ", 1)[-1] for line in handler.lines
                            if line.startswith("patch_activations("))
     names = list(ref)
@@ -288,19 +297,8 @@ def time_family(name: str, width: fam.Width, setups: list[str], length: int, rep
         models["checkpointing"] = ckpt
     for setup in setups:
         model, _ = build(name, width, length)
-        bits, activations = SETUPS[setup]
-        if activations is not None and activations.get("gelu_bits") is not None and not any(
-                is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
-            activations = {k: v for k, v in activations.items() if k != "gelu_bits"}
-        if bits is not None:
-            patch_linear(model, bits=bits)
-        if activations is not None:
-            try:
-                patch_activations(model, **activations)
-            except ValueError as err:  # refused as in the matrix: not timed
-                if "nothing to patch" not in str(err) and "the model has no" not in str(err):
-                    raise
-                continue
+        if apply_setup(model, setup)[1]:  # refused as in the matrix: not timed
+            continue
         models[setup] = model
     batch = timing_batch(name, exact, length)
 
