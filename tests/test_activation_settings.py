@@ -148,7 +148,9 @@ def test_recomputation_that_cannot_tell_the_calls_apart_raises(reentrant):
 # 4. Two threads on one model.
 
 
-@pytest.mark.parametrize("sketch", [False, True])
+@pytest.mark.parametrize("sketch", [
+    pytest.param(False, marks=pytest.mark.stack("threads", "compact")),
+    pytest.param(True, marks=pytest.mark.stack("threads", "sketch", "compact"))])
 def test_two_threads_on_one_model(sketch):
     """Two threads run one model at once, forced to interleave inside every attention call (a
     barrier in the attention function): each gets the gradients it gets alone."""

@@ -5,6 +5,7 @@ patched, the round trip exact (the committed results/bench/architectures.md is t
 matrix)."""
 
 import json
+import subprocess
 
 import pytest
 from test_bench_scripts import py, run_script
@@ -53,3 +54,14 @@ def test_the_targets(matrix):
         assert cells["floor4"]["saved_ratio"] <= 0.20, family
         assert cells[LEAN_FLOOR]["saved_ratio"] <= WRITTEN_FOR.get(family, 0.20), family
         assert cells[LEAN_FLOOR]["error"] <= 2 * cells["int4"]["error"], family
+
+
+def test_a_bad_name_fails_before_any_model_is_built(tmp_path):
+    """A timing setup is checked with the matrix's, before the matrix runs."""
+    for flag, bad in (("--setups", "int5"), ("--families", "bart"), ("--time-setups", "lean8")):
+        args = ["--families", "bert", "--setups", "int4", "--time", flag, bad]
+        proc = subprocess.run(py("architectures.py", *args, "--out-dir", str(tmp_path)),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "unknown setup or family" in proc.stderr, proc.stderr
+        assert bad in proc.stderr
+        assert not list(tmp_path.iterdir())

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import importlib.util
 import logging
+import threading
 
 import pytest
 import torch
@@ -504,6 +505,53 @@ def test_chunked_loss_never_keeps_logits():
     loss.backward()
     assert shapes and all(VOCAB * 10 not in s[:1] and (len(s) < 2 or s[-1] != VOCAB * 10)
                           or s == tuple(w.shape) for s in shapes)
+
+
+@pytest.mark.stack("threads", "decoders")
+def test_two_threads_train_one_model_with_the_chunked_loss():
+    """The chunked loss swaps the output layer's forward during the model's forward. Two threads
+    in one model's forward at once (a barrier in its first block) each get the loss and
+    gradients they get alone; the layer's own forward is back afterwards (the second thread's
+    swap took the first one's hidden states and its restore raised)."""
+    model = tiny_gpt2()
+    patch_activations(model, dropout="stored", attention="stored", gelu_bits=None,
+                      layernorm="stored", lm_loss="chunked")
+    model.train()
+    batches = [batch(), batch(length=10)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(b):
+        loss = model(**b).loss
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    want = [run(b) for b in batches]
+    barrier = threading.Barrier(2)
+
+    def meet(*_):
+        barrier.wait(timeout=20)
+
+    handle = model.transformer.h[0].register_forward_pre_hook(meet)
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            results[i] = run(batches[i])
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    handle.remove()
+    assert not errors, errors
+    assert "forward" not in vars(model.lm_head)
+    for (loss, grads), (ref_loss, ref_grads) in zip(results, want, strict=True):
+        torch.testing.assert_close(loss, ref_loss)
+        for g, w in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_tanh_gelu_derivative_and_range():

@@ -6,6 +6,8 @@ under torch.compile; on a model with no transformer in it, and under checkpointi
 gradient accumulation."""
 
 import copy
+import threading
+import warnings
 
 import pytest
 import torch
@@ -179,6 +181,128 @@ def test_what_a_part_offers_is_coded_and_only_under_a_floor():
     assert counts == {None: 6, 4: 0}, counts
 
 
+def test_the_recomputed_attention_keeps_its_block_input_once():
+    """``attention="recompute"`` makes Q, K and V again from its block input; under the floor
+    it hands that input to it, so that the one code the projections' saves have serves it too
+    (it kept the input in full besides, one per layer, and its gradient error stays a code's)."""
+    from sketchprop.bench import families as fam
+
+    full = 4 * 48 * 64 * 4  # the block input in float32: batch x tokens x hidden
+    exact = fam.build("bert")
+    batch = fam.make_batch("bert", exact)
+    exact(**batch).loss.backward()
+    model = fam.build("bert")
+    patch_activations(model, **{**ALONE, "attention": "recompute"}, floor_bits=4)
+    with SavedTensorMeter(model) as meter:
+        loss = model(**batch).loss
+    loss.backward()
+    assert sum(n == full for n, _ in meter.records) == 0
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), exact.parameters(), strict=True)
+             if q.grad is not None]
+    err = sum((g - w).square().sum() for g, w in pairs) / sum(w.square().sum() for _, w in pairs)
+    assert 0 < err < 0.05, err  # every parameter together: 4-bit codes
+
+
+def test_a_relu_keeps_its_mask_exactly():
+    """A ReLU's backward passes the gradient where its output is positive. The floor keeps which
+    values are (a bit each, counted), so the input's gradient, which reads only that mask and
+    kept weights, is the exact one: without the bit, small positive values rounded to 0 lost
+    their gradient (a bias towards 0)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    model = floor_only(copy.deepcopy(net))
+    x = torch.randn(256, 64, requires_grad=True)
+    (want,) = torch.autograd.grad(net(x).sum(), x)
+    with SavedTensorMeter() as meter:
+        out = model(x)
+    (got,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    relu = 256 * 128
+    assert relu // 2 + relu // 64 * 4 + relu // 8 in [n for n, _ in meter.records]
+
+
+def test_a_floor_inside_a_floored_model_leaves_its_saves_to_the_outer_one():
+    """A floored block called in a floored model's forward: the outer floor codes, once, and a
+    custom Function's save inside the block is kept as it is (the inner hooks made the outer
+    ones see them, not Function.apply, and code it)."""
+    class Save(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * 2 + 0 * x
+
+    class Inner(nn.Module):
+        def forward(self, x):
+            return Save.apply(x.exp())
+
+    model = floor_only(nn.Sequential(nn.Linear(128, 128), floor_only(Inner(), bits=8)))
+    with SavedTensorMeter() as meter:
+        model(torch.randn(64, 128)).sum().backward()
+    sizes = sorted(n for n, _ in meter.records)
+    code4 = 8192 // 2 + 8192 // 64 * 4
+    # the Linear's input and exp's output, coded at the outer floor's 4 bits; Save's, as it is
+    assert sizes == sorted([code4, code4, 8192 * 4]), sizes
+
+
+@pytest.mark.stack("threads", "floor")
+def test_two_threads_on_one_floored_model():
+    """Two threads in one floored model's forward at once (a barrier inside it): each thread's
+    hooks are its own (autograd's and the floor's are per thread), so each gets its own batch's
+    gradients, close to exact, and its saves are coded."""
+    torch.manual_seed(0)
+    exact_model = ConvNet()
+    model = floor_only(copy.deepcopy(exact_model))
+    batches = [conv_batch(8), conv_batch(6)]
+    want = [conv_grads(exact_model, x, y) for x, y in batches]
+    barrier = threading.Barrier(2)
+
+    def meet(*_):
+        barrier.wait(timeout=20)
+
+    model.body[3].register_forward_pre_hook(meet)
+    params = dict(model.named_parameters())
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            x, y = batches[i]
+            with SavedTensorMeter(model) as meter:
+                loss = nn.functional.cross_entropy(model(x), y)
+            grads = torch.autograd.grad(loss, list(params.values()))
+            results[i] = meter.bytes, dict(zip(params, grads, strict=True))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (coded, got), (exact_bytes, ref) in zip(results, want, strict=True):
+        assert coded <= 0.20 * exact_bytes
+        err = sum((got[n] - ref[n]).square().sum() for n in ref) / sum(
+            g.square().sum() for g in ref.values())
+        assert 0 < err < 0.05, err
+
+
+def test_a_compile_in_another_thread_leaves_the_floor_on(monkeypatch):
+    """``torch.compiler.is_compiling()`` is process-wide: a compile in another thread set it, and
+    the floor turned itself off (and warned) in this one."""
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what that compile sets
+    model = floor_only(nn.Sequential(nn.Linear(128, 128), nn.Tanh()))
+    with SavedTensorMeter() as meter, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(64, 128)).sum().backward()
+    assert max(n for n, _ in meter.records) < 8192 * 4  # coded
+
+
 def test_a_save_after_an_in_place_change_is_coded_anew():
     """A storage saved, changed in place, then saved again: the second save codes the new values
     (reusing the first code gave half the true gradient, silently)."""
@@ -263,11 +387,11 @@ def test_an_exception_in_forward_closes_the_hooks():
     pytest.param(True, marks=pytest.mark.stack("ckpt-reentrant", "floor"))])
 @pytest.mark.stack("grad-accum", "floor")
 def test_under_checkpointing_and_gradient_accumulation(reentrant):
-    """A checkpointed block is recomputed in backward from its input, kept as it is (the
-    non-reentrant checkpoint's hooks take the block's saves; the reentrant one keeps its input as
-    a custom Function's save); what the rest saves is coded. Two forwards before one backward
-    accumulate. Every gradient is there, close to exact (the squared error a few percent of the
-    squared norm at most: 4-bit codes)."""
+    """A checkpointed block is recomputed in backward from its input: the reentrant checkpoint
+    keeps it as a custom Function's save, as it is; the non-reentrant one saves it as autograd
+    saves, and the floor codes it (its own hooks take the block's saves). What the rest saves is
+    coded. Two forwards before one backward accumulate. Every gradient is there, close to exact
+    (the squared error a few percent of the squared norm at most: 4-bit codes)."""
     torch.manual_seed(0)
 
     class Blocks(nn.Module):
@@ -283,6 +407,14 @@ def test_under_checkpointing_and_gradient_accumulation(reentrant):
     model = floor_only(copy.deepcopy(exact_model))
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(64, 128, generator=g, requires_grad=True) for _ in range(2)]
+    exact_model(xs[0]).backward()
+    with SavedTensorMeter() as meter:
+        loss = model(xs[0])
+    loss.backward()
+    exact_model.zero_grad()
+    model.zero_grad()
+    # the block input, 64 x 128 floats: as it is with the reentrant checkpoint only
+    assert (64 * 128 * 4 in [n for n, _ in meter.records]) == reentrant
     for m in (exact_model, model):
         sum(m(x) for x in xs).backward()
     for p, q in zip(model.parameters(), exact_model.parameters(), strict=True):

@@ -192,11 +192,15 @@ class _ProjectedAttention(torch.autograd.Function):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
         ctx.rope = rope is not None
-        prints = fingerprints(q, k, v) if code is None and padded(mask) else None
         # Detached views share storage and version counter: an in-place change to x or a weight
         # before backward still raises, and the meter counts x once with the linears' own copy.
-        # With a code of x (attention="coded"), its payload in x's place.
-        ctx.save_for_backward(mask, seed, bias, x.detach() if code is None else code.payload,
+        # With a code of x (attention="coded"), its payload in x's place. Under the floor, x is
+        # its code, the one the projections' own saves of x have: kept in full besides, it
+        # would be kept twice (and Q, K, V made from its code are not forward's: no prints).
+        x = x.detach() if code is None else code.payload
+        ctx.coded = code is not None or offer(x)
+        prints = fingerprints(q, k, v) if not ctx.coded and padded(mask) else None
+        ctx.save_for_backward(mask, seed, bias, x,
                               *(rope or (None, None)), prints,
                               *(None if t is None else t.detach() for pair in pairs for t in pair))
         return _attend(q, k, v, mask, scaling, p, int(seed), bias)
@@ -209,7 +213,7 @@ class _ProjectedAttention(torch.autograd.Function):
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
         rope = (cos, sin) if ctx.rope else None
-        rows = None if ctx.code is None and prints is None else needed_rows(dout, mask, x.shape)
+        rows = None if not ctx.coded and prints is None else needed_rows(dout, mask, x.shape)
 
         def project(rows):
             return [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None, rows)

@@ -13,6 +13,16 @@ the same bits and each rank draws its own), and each saved bool mask at one bit.
 several backward functions read (a norm's output saved by the norm and by the next linear
 layer, one tensor and its views) is coded once: every reader decodes the same code.
 
+What is unbiased: a backward that reads a saved tensor linearly (a weight gradient ``dY^T X``,
+a product's other factor) gets its exact gradient in expectation. One that reads it through a
+non-linear function (a softmax's, a GELU's or a norm's backward, the attention's) is evaluated
+at the decoded point, a bias of the order of the rounding's variance, measured per family in
+``results/bench/architectures.md`` (its bias column). A non-negative storage with zeros (a
+ReLU's output, whose backward keeps the gradient where the output is positive) keeps one more
+bit per value, which values are positive, so that the mask is exact: without it, a small
+positive value rounded to 0 lost its gradient. A saved input that backward compares with a
+threshold (a leaky ReLU's, a clamp's) keeps a bias from values within a level of it.
+
 Never coded, kept as they are:
 
 - parameters and their views (frozen ones, peft base layers, FSDP's unsharded ones: each is an
@@ -22,7 +32,9 @@ Never coded, kept as they are:
   the library's own parts keep (already compact, or exact on purpose), reentrant
   checkpointing's block inputs, other libraries' fused kernels; except what a part hands to the
   floor (:func:`offer`): the attention's Q, K and V where it cannot make them again from its
-  block's input (fused or other projections, QK-norm), which it would otherwise keep in full;
+  block's input (fused or other projections, QK-norm), and the block input that
+  ``attention="recompute"`` makes them again from (its projections' saves of it are coded, so
+  one code serves both), which it would otherwise keep in full;
 - tensors below :data:`MIN_NUMEL` elements (a code saves little there and costs a call), tensors
   with a non-finite value (the code's range would be), complex and one-byte tensors.
 
@@ -35,6 +47,12 @@ the activations they stand for. An activation changed in place after it was save
 backward, as autograd does without hooks (which stop checking versions), while the activation
 is alive. Under ``torch.compile`` the hooks are not installed (one warning): a compiled graph
 saves its own tensors.
+
+Under non-reentrant checkpointing (``use_reentrant=False``), the checkpoint's hooks take what its
+block saves, and the block's inputs, which the checkpoint saves as autograd saves, are coded: the
+recompute reads their code. Reentrant checkpointing keeps its inputs as a custom Function's
+saves, as they are. A floored module called inside another floored model's forward leaves its
+saves to the outer floor (nested hooks would see each other, not the op that saves).
 """
 
 from __future__ import annotations
@@ -76,30 +94,46 @@ def _stack() -> list:
     return stack
 
 
-def offer(*tensors: Tensor) -> None:
+def _open() -> _Call | None:
+    """The floor call open in this thread (its hooks are the ones autograd calls), or None."""
+    return next((call for call in reversed(_stack()) if call is not None), None)
+
+
+def offer(*tensors: Tensor) -> bool:
     """Let a floor open in this thread code ``tensors`` when the custom ``autograd.Function``
-    calling this saves them (its saves are otherwise kept as they are); nothing without one."""
-    stack = _stack()
-    if stack and stack[-1] is not None:
+    calling this saves them (its saves are otherwise kept as they are); nothing without one.
+    Returns whether a floor took them."""
+    call = _open()
+    if call is not None:
         for t in tensors:
-            stack[-1].offered[t] = True
+            call.offered[t] = True
+    return call is not None
 
 
 class _Coded:
     """How a storage's payload decodes: its ``n`` values as a ``QuantSpec`` code (floats, one
-    row of ``n``), its bits one per bit (bool), or its integers in a narrower type."""
+    row of ``n``), its bits one per bit (bool), or its integers in a narrower type. A
+    non-negative float storage with zeros in it (a ReLU's output) has a bit per value after its
+    code, set where the value is positive (``signs``: the code's bytes before it)."""
 
-    __slots__ = ("spec", "n", "dtype", "narrow")
+    __slots__ = ("spec", "n", "dtype", "narrow", "signs")
 
-    def __init__(self, spec: QuantSpec | None, n: int, dtype: torch.dtype, narrow=None):
-        self.spec, self.n, self.dtype, self.narrow = spec, n, dtype, narrow
+    def __init__(self, spec: QuantSpec | None, n: int, dtype: torch.dtype, narrow=None,
+                 signs: int | None = None):
+        self.spec, self.n, self.dtype, self.narrow, self.signs = spec, n, dtype, narrow, signs
 
     def decode(self, payload: Tensor) -> Tensor:
         if self.narrow is not None:
             return payload.to(self.dtype)
         if self.spec is None:
             return unpack_codes(payload, 1, self.n).view(torch.bool)
-        return SharedCode(payload, self.spec).decode().view(-1)
+        if self.signs is None:
+            return SharedCode(payload, self.spec).decode().view(-1)
+        x = SharedCode(payload[:self.signs], self.spec).decode().view(-1)
+        positive = unpack_codes(payload[self.signs:], 1, self.n).view(torch.bool)
+        # A positive value the rounding took to 0 comes back as the smallest normal number:
+        # exactly the positive ones stay positive (an upward bias of at most that number).
+        return torch.where(positive, x.clamp_min(torch.finfo(self.dtype).tiny), 0)
 
 
 class Floor:
@@ -130,8 +164,12 @@ class Floor:
 
     def enter(self, module: nn.Module, args, kwargs) -> None:
         """Forward pre-hook: in training with gradients, open the hooks for this call."""
-        on = module.training and torch.is_grad_enabled()
-        if on and torch.compiler.is_compiling():
+        # A floor inside another one's forward (a floored block of a floored model) leaves the
+        # saves to the outer one: nested hooks would see each other's calls, not Function.apply.
+        on = module.training and torch.is_grad_enabled() and _open() is None
+        # (is_dynamo_compiling, not is_compiling: that one is process-wide, and a compile in
+        # another thread would turn this floor off)
+        if on and torch.compiler.is_dynamo_compiling():
             if not self._warned:
                 self._warned = True
                 warnings.warn("sketchprop: the activation floor is off under torch.compile (the "
@@ -218,11 +256,19 @@ class _Call:
                     return None
                 coded, payload = _Coded(None, n, t.dtype, narrow), flat.to(narrow)
             else:
-                if not bool(torch.isfinite(flat).all()):
+                lo, hi = flat.aminmax()  # (NaN comes out of both)
+                if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                     return None
                 payload, spec, _ = quantize(flat.view(1, n), self.floor.bits, self.floor.group,
                                             self.floor.seeds.next())
                 coded = _Coded(spec, n, t.dtype)
+                if lo == 0:
+                    # Non-negative with zeros, as a ReLU's output, whose backward reads its sign:
+                    # rounding took small positive values to 0 about as often as they are small,
+                    # and their gradients with them (a bias), so which values are positive is
+                    # kept too, one bit each.
+                    coded.signs = payload.numel()
+                    payload = torch.cat([payload, pack_codes((flat > 0).view(torch.uint8), 1)])
         mark_shared(payload)  # a meter that drops what it sees keeps it: its readers share it
         # Held until the forward ends, so that every save of the storage in this call shares it.
         self.codes[key] = (StorageWeakRef(storage), (coded, payload))

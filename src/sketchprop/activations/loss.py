@@ -14,6 +14,7 @@ model's own and returns logits.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +171,27 @@ def lm_loss_refusal(owner: nn.Module) -> str | None:
 
 
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+# Per thread: the output layers whose input this thread's chunked forward takes (by id), and
+# what each saw. The layer's forward is swapped while any thread's chunked forward runs through
+# it, under the lock: two threads training one model each swap and restore it once.
+_capturing = threading.local()
+_swap = threading.Lock()
+
+
+class _Capture:
+    """An output layer's forward during chunked forwards: in a thread whose chunked forward runs
+    through the layer, it hands over its input and returns an empty tensor; in any other
+    thread, it is the layer's own forward."""
+
+    def __init__(self, head: nn.Linear):
+        self.head, self.users = head, 0
+
+    def __call__(self, x: Tensor) -> Tensor:
+        seen = getattr(_capturing, "heads", {}).get(id(self.head))
+        if seen is None:
+            return nn.Linear.forward(self.head, x)
+        seen["hidden"] = x
+        return x.new_empty(*x.shape[:-1], 0)
 
 
 class LMLossForward:
@@ -204,16 +226,21 @@ class LMLossForward:
     def _chunked(self, head: nn.Linear, labels: Tensor, *args, **kwargs):
         original = type(self.owner).forward.__get__(self.owner)
         seen = {}
-
-        def capture(x):
-            seen["hidden"] = x
-            return x.new_empty(*x.shape[:-1], 0)
-
-        head.forward = capture
+        mine = _capturing.__dict__.setdefault("heads", {})
+        mine[id(head)] = seen
+        with _swap:
+            capture = head.__dict__.get("forward")
+            if not isinstance(capture, _Capture):
+                capture = head.forward = _Capture(head)
+            capture.users += 1
         try:
             out = original(*args, **kwargs)
         finally:
-            del head.forward
+            del mine[id(head)]
+            with _swap:
+                capture.users -= 1
+                if not capture.users:
+                    del head.forward
         loss = chunked_lm_loss(seen["hidden"], head.weight, labels, head.bias,
                                **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}

@@ -15,7 +15,9 @@ their combinations) with every other argument at its default. Per family and set
   the same batch;
 - the bias: ``||mean of the steps' g - g_exact||^2 / ||g_exact||^2`` over what the mean of
   ``n`` unbiased draws gives on average (``error / n``): about 1 for an unbiased estimate (its
-  spread with few steps is wide, chi-squared-like), well above 1 where a bias dominates;
+  spread with few steps is wide, chi-squared-like), well above 1 where a bias dominates, at
+  most ``n`` (the error all bias); none where the steps agree (a deterministic error: an exact
+  part's float rounding);
 - every parameter that has a gradient unpatched has one patched (``lost``: the count that do not);
 - the parts applied and those left, with their reasons (``patch_activations``' own log line;
   ``patch_linear``'s layers patched of the model's linear layers);
@@ -242,7 +244,12 @@ def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tu
         errors.append(float((gf - exact_flat).pow(2).sum()) / norm)
     cell.error = sum(errors) / steps
     bias = float((total / steps - exact_flat).pow(2).sum()) / norm
-    cell.bias_ratio = bias / (cell.error / steps) if cell.error > 0 else math.nan
+    # error = bias + spread: where the steps agree (spread under a thousandth of the error: an
+    # exact part's float rounding, the same every step), the ratio is its cap, steps, and says
+    # nothing about a draw: none
+    spread = cell.error - bias
+    cell.bias_ratio = (bias / (cell.error / steps) if cell.error > 0 and spread > 1e-3 * cell.error
+                       else None)
     if activations is not None:
         unpatch_activations(model)
     if bits is not None:
@@ -339,7 +346,8 @@ def tables(payload: dict) -> str:
     cell_table("Gradient error ||g - g_exact||^2 / ||g_exact||^2 (mean over the steps)",
                lambda c: _fmt(c["error"], ".1e"))
     cell_table("Bias: ||mean g - g_exact||^2 over error / steps (about 1: unbiased; well above: "
-               "a bias dominates)", lambda c: _fmt(c["bias_ratio"], ".1f"))
+               "a bias dominates; at most the steps, where the error is all bias; a dash where "
+               "the steps agree, a deterministic error)", lambda c: _fmt(c["bias_ratio"], ".1f"))
     lines = []
     for r in rows:
         cells = {c["setup"]: c for c in r["cells"]}
@@ -391,7 +399,8 @@ def run(args) -> None:
     env = environment(dev)
     width = WIDTHS[args.width]
     setups = parse_list(args.setups)
-    unknown = [s for s in setups if s not in SETUPS]
+    time_setups = parse_list(args.time_setups) if args.time else []
+    unknown = [s for s in (*setups, *time_setups) if s not in SETUPS]
     names = parse_list(args.families)
     unknown += [n for n in names if n not in fam.FAMILIES and n != CONV]
     if unknown:
@@ -406,7 +415,7 @@ def run(args) -> None:
     times = {}
     if args.time:
         for name in names:
-            times[name] = time_family(name, width, parse_list(args.time_setups), args.time_length,
+            times[name] = time_family(name, width, time_setups, args.time_length,
                                       args.repeats, dev)
             print(f"{name}: " + ", ".join(f"{m} {st['ratio']:.2f}" for m, st in
                                           times[name].items()), flush=True)

@@ -35,6 +35,7 @@ STACKS = {
     "ckpt-reentrant": "activation checkpointing, reentrant",
     "ckpt-nonreentrant": "activation checkpointing, non-reentrant",
     "grad-accum": "gradient accumulation",
+    "threads": "two threads training one model at once",
     "save-load": "`torch.save` / `torch.load`, `save_pretrained`",
     "second-order": "a second derivative (`create_graph=True`: gradient penalty, meta-learning)",
     "hub-kernels": "transformers' hub kernels (`use_kernels`, on after `from_pretrained` from 5.25)",
