@@ -17,11 +17,13 @@ What is unbiased: a backward that reads a saved tensor linearly (a weight gradie
 a product's other factor) gets its exact gradient in expectation. One that reads it through a
 non-linear function (a softmax's, a GELU's or a norm's backward, the attention's) is evaluated
 at the decoded point, a bias of the order of the rounding's variance, measured per family in
-``results/bench/architectures.md`` (its bias column). A non-negative storage with zeros (a
-ReLU's output, whose backward keeps the gradient where the output is positive) keeps one more
-bit per value, which values are positive, so that the mask is exact: without it, a small
-positive value rounded to 0 lost its gradient. A saved input that backward compares with a
-threshold (a leaky ReLU's, a clamp's) keeps a bias from values within a level of it.
+``results/bench/architectures.md`` (its bias column). A ReLU's output (saved by its autograd
+node, ``ReluBackward0``, whose backward keeps the gradient where the output is positive) keeps
+one more bit per value, which values are positive, so that the mask is exact: without it, a
+small positive value rounded to 0 lost its gradient. (Other non-negative tensors with zeros, a
+masked softmax's probabilities, need no bit: their backward reads no sign.) A saved input that
+backward compares with a threshold (a leaky ReLU's, a clamp's, hardtanh's) keeps a bias from
+values within a level of it.
 
 Never coded, kept as they are:
 
@@ -68,6 +70,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..codes import SharedCode, mark_shared
+from ..compiling import fused
 from ..packing import pack_codes, unpack_codes
 from ..quantize import QuantSpec, check_bits, check_group, quantize
 from ..rng import SeedStream
@@ -84,6 +87,7 @@ _NARROWER = {torch.int64: (torch.int8, torch.int16, torch.int32),
              torch.int32: (torch.int8, torch.int16)}
 
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
+_RELU = "ReluBackward"  # the node of torch.relu, F.relu and nn.ReLU (in place too)
 _local = threading.local()  # per thread: the open hook contexts of the floors, innermost last
 
 
@@ -112,9 +116,9 @@ def offer(*tensors: Tensor) -> bool:
 
 class _Coded:
     """How a storage's payload decodes: its ``n`` values as a ``QuantSpec`` code (floats, one
-    row of ``n``), its bits one per bit (bool), or its integers in a narrower type. A
-    non-negative float storage with zeros in it (a ReLU's output) has a bit per value after its
-    code, set where the value is positive (``signs``: the code's bytes before it)."""
+    row of ``n``), its bits one per bit (bool), or its integers in a narrower type. A ReLU's
+    output has a bit per value after its code, set where the value is positive (``signs``: the
+    code's bytes before it)."""
 
     __slots__ = ("spec", "n", "dtype", "narrow", "signs")
 
@@ -126,14 +130,36 @@ class _Coded:
         if self.narrow is not None:
             return payload.to(self.dtype)
         if self.spec is None:
-            return unpack_codes(payload, 1, self.n).view(torch.bool)
+            return _unpack_mask(payload, self.n)
         if self.signs is None:
             return SharedCode(payload, self.spec).decode().view(-1)
         x = SharedCode(payload[:self.signs], self.spec).decode().view(-1)
-        positive = unpack_codes(payload[self.signs:], 1, self.n).view(torch.bool)
-        # A positive value the rounding took to 0 comes back as the smallest normal number:
-        # exactly the positive ones stay positive (an upward bias of at most that number).
-        return torch.where(positive, x.clamp_min(torch.finfo(self.dtype).tiny), 0)
+        return _keep_positive(x, payload[self.signs:])
+
+
+# The bit codes' passes, each one fused function (sketchprop.compiling.fused), as the codes'.
+@fused
+def _pack_mask(flat: Tensor) -> Tensor:
+    return pack_codes(flat.view(torch.uint8), 1)
+
+
+@fused
+def _unpack_mask(packed: Tensor, n: int) -> Tensor:
+    return unpack_codes(packed, 1, n).view(torch.bool)
+
+
+@fused
+def _pack_positive(flat: Tensor) -> Tensor:
+    return pack_codes((flat > 0).view(torch.uint8), 1)
+
+
+@fused
+def _keep_positive(x: Tensor, packed: Tensor) -> Tensor:
+    """``x`` where the packed bits say positive, 0 elsewhere; a positive value that the rounding
+    took to 0 comes back as the smallest normal number, so that exactly the positive ones are
+    (an upward bias of at most that number)."""
+    positive = unpack_codes(packed, 1, x.numel()).view(torch.bool)
+    return torch.where(positive, x.clamp_min(torch.finfo(x.dtype).tiny), 0)
 
 
 class Floor:
@@ -247,7 +273,7 @@ class _Call:
         flat = t.new_empty(0).set_(storage, 0, (n,), (1,))
         with torch.no_grad():
             if t.dtype == torch.bool:
-                coded, payload = _Coded(None, n, t.dtype), pack_codes(flat.view(torch.uint8), 1)
+                coded, payload = _Coded(None, n, t.dtype), _pack_mask(flat)
             elif t.dtype in _NARROWER:  # integers (pooling indices): the width they need, exact
                 lo, hi = flat.aminmax()
                 narrow = next((d for d in _NARROWER[t.dtype] if torch.iinfo(d).min <= lo
@@ -262,13 +288,13 @@ class _Call:
                 payload, spec, _ = quantize(flat.view(1, n), self.floor.bits, self.floor.group,
                                             self.floor.seeds.next())
                 coded = _Coded(spec, n, t.dtype)
-                if lo == 0:
-                    # Non-negative with zeros, as a ReLU's output, whose backward reads its sign:
+                if lo == 0 and _RELU in type(t.grad_fn).__name__:
+                    # A ReLU's output, whose backward passes the gradient where it is positive:
                     # rounding took small positive values to 0 about as often as they are small,
                     # and their gradients with them (a bias), so which values are positive is
-                    # kept too, one bit each.
+                    # kept too, one bit each. (The ReLU's own save comes first: the storage's.)
                     coded.signs = payload.numel()
-                    payload = torch.cat([payload, pack_codes((flat > 0).view(torch.uint8), 1)])
+                    payload = torch.cat([payload, _pack_positive(flat)])
         mark_shared(payload)  # a meter that drops what it sees keeps it: its readers share it
         # Held until the forward ends, so that every save of the storage in this call shares it.
         self.codes[key] = (StorageWeakRef(storage), (coded, payload))
