@@ -324,6 +324,27 @@ def test_lean_patches_and_unpatches_to_the_same_model():
     assert not attention._inputs()
 
 
+def test_the_preset_has_the_floor_and_a_4_bit_gelu_code():
+    """``preset="lean"`` alone: the structural parts, the 4-bit code of GELU's derivative and the
+    floor at 4 bits (the measured choice); ``floor_bits=None`` leaves the floor off, and the
+    benchmark tables' lean (``LEAN_PARTS``) is the structural parts with the 2-bit GELU code."""
+    from sketchprop.activations import CompactGELU, Floor
+    from sketchprop.bench.common import LEAN_PARTS
+
+    def parts(**kwargs):
+        model = tiny_roberta().train()
+        patch_activations(model, **kwargs)
+        floors = [h.__self__ for h in model._forward_pre_hooks.values()
+                  if isinstance(getattr(h, "__self__", None), Floor)]
+        return {m.bits for m in model.modules() if isinstance(m, CompactGELU)}, \
+            [f.bits for f in floors]
+
+    assert parts(preset="lean") == ({4}, [4])
+    assert parts(preset="lean", floor_bits=None) == ({4}, [])
+    assert parts(**LEAN_PARTS) == ({2}, [])
+    assert parts(preset="compact") == ({2}, [])
+
+
 def test_explicit_parts_override_the_preset_and_bad_values_change_nothing():
     model = tiny_roberta().train()
     names = patch_activations(model, preset="lean", layernorm="output")

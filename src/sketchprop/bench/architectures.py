@@ -56,6 +56,7 @@ from sketchprop.patching.linear import _is_linear
 
 from . import families as fam
 from .common import (
+    LEAN_PARTS,
     environment,
     fmt_table,
     interleaved_times,
@@ -76,17 +77,20 @@ SETUPS: dict[str, tuple[int | None, dict | None]] = {
     "floor2": (None, {**_FLOOR_ALONE, "floor_bits": 2}),
     "compact": (None, {}),
     "int4+compact": (4, {}),
-    "lean": (None, {"preset": "lean"}),
-    "int4+lean": (4, {"preset": "lean"}),
-    "int4+lean+floor8": (4, {"preset": "lean", "floor_bits": 8}),
-    "int4+lean+floor4": (4, {"preset": "lean", "floor_bits": 4}),
+    # lean, as the other tables name it: its structural parts, the 2-bit GELU code, no floor
+    "lean": (None, LEAN_PARTS),
+    "int4+lean": (4, LEAN_PARTS),
+    "int4+lean+floor8": (4, {**LEAN_PARTS, "floor_bits": 8}),
+    "int4+lean+floor4": (4, {**LEAN_PARTS, "floor_bits": 4}),
     # lean less its GELU code: GELU's input left to the floor's 4-bit code, not lean's 2-bit
     # code of GELU's derivative
-    "int4+lean-gelu+floor4": (4, {"preset": "lean", "floor_bits": 4, "gelu_bits": None}),
-    # lean with a 4-bit code of GELU's derivative, as many bits as the floor's code of its input
-    "int4+lean(gelu4)+floor4": (4, {"preset": "lean", "floor_bits": 4, "gelu_bits": 4}),
+    "int4+lean-gelu+floor4": (4, {**LEAN_PARTS, "floor_bits": 4, "gelu_bits": None}),
+    # the lean preset as it is (patch_activations(preset="lean")): a 4-bit code of GELU's
+    # derivative, as many bits as the floor's code of its input, and the floor at 4 bits
+    "int4+lean(gelu4)+floor4": (4, {"preset": "lean"}),
 }
-#: The setup the measurements pick for lean with the floor (docs/library.md, "The generic floor").
+#: The setup the measurements picked for lean with the floor, the lean preset's defaults
+#: (docs/library.md, "The generic floor").
 LEAN_FLOOR = "int4+lean(gelu4)+floor4"
 WIDTHS = {"tiny": fam.TINY, "wide": fam.WIDE}
 CONV = "convnet"

@@ -27,6 +27,13 @@ from sketchprop.glue.paths import REPO_ROOT, portable, portable_command
 from sketchprop.measure import usable_cores
 from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch
 
+#: What the benchmark tables call ``lean``: the lean preset's structural parts (norm outputs and
+#: attention and MLP inputs as shared codes) with the 2-bit GELU code and without the floor,
+#: which the preset itself adds (``preset="lean"``: ``floor_bits=4, gelu_bits=4``;
+#: ``int4+lean(gelu4)+floor4`` in results/bench/architectures.md). The tables that measure lean
+#: alone keep measuring that.
+LEAN_PARTS = {"preset": "lean", "gelu_bits": 2, "floor_bits": None}
+
 ROOT = REPO_ROOT  # the checkout
 RESULTS = ROOT / "results" / "bench"
 # The GLUE files shipped with the code (data/glue/SOURCES.md); GLUE_DIR points elsewhere.

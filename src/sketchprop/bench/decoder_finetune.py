@@ -18,7 +18,8 @@ same weights and take their steps in turn, one step each per round, so the per-r
 exact is measured as ``decoders.py`` measures it. Saved bytes: ``SavedTensorMeter`` on the first
 batch. ``compact`` is exact (SiLU-gated MLP, RMSNorm, chunked loss): its curve should lie on
 exact's, up to float rounding, and the largest step-wise loss difference is reported.
-``int4+lean`` (``patch_linear(sketch="exact", bits=4)``, ``patch_activations(preset="lean")``) is
+``int4+lean`` (``patch_linear(sketch="exact", bits=4)`` and lean's structural parts,
+:data:`~sketchprop.bench.common.LEAN_PARTS`: ``preset="lean"`` without its floor) is
 not exact: its codes are unbiased, with a second-order bias where a norm's or the attention's and
 the gated MLP's backward read them (``sketchprop.activations``), so its curve is one seed of a
 noisy method beside exact's.

@@ -10,7 +10,8 @@ the inputs (transformers shifts them), CPU, SDPA attention as transformers picks
 - ``ours+compact``: ``patch_linear(model, sketch, rho)`` (lm_head left exact, the default) and
   ``patch_activations(model)``;
 - ``int4+compact``, ``int4+lean``: ``patch_linear(model, sketch="exact", bits=4)`` (every linear
-  input kept as a 4-bit code) and ``patch_activations(model)``, or with ``preset="lean"`` (each
+  input kept as a 4-bit code) and ``patch_activations(model)``, or with lean's structural parts
+  (:data:`~sketchprop.bench.common.LEAN_PARTS`: ``preset="lean"`` without its floor; each
   RMSNorm output kept once, as the 4-bit code that the next linear layers, the attention's
   rotated Q, K, V and the gated MLP's gate and up outputs are made again from in backward);
 - ``lora``: peft LoRA (r 8, alpha 16, no dropout) on every linear layer of the blocks, the rest
@@ -49,7 +50,16 @@ import torch
 from sketchprop import patch_activations, patch_linear
 from sketchprop.measure import SavedTensorMeter
 
-from .common import BadArgs, environment, fmt_table, parse_list, r3, setup_device, write_outputs
+from .common import (
+    LEAN_PARTS,
+    BadArgs,
+    environment,
+    fmt_table,
+    parse_list,
+    r3,
+    setup_device,
+    write_outputs,
+)
 from .saved_tensors import saved_by_node
 
 # The methods measured by default.
@@ -167,7 +177,7 @@ def configure(base, arch: str, method: str, sketch: str, rho: float):
     if "int4" in parts:
         patch_linear(model, sketch="exact", bits=4, **where)
     if "compact" in parts or "lean" in parts:
-        patch_activations(model, **options, **({"preset": "lean"} if "lean" in parts else {}))
+        patch_activations(model, **({**LEAN_PARTS, **options} if "lean" in parts else options))
     return model
 
 

@@ -9,8 +9,9 @@ input rows as 4-bit codes (``patch_linear(sketch="exact", bits=4)``, the head le
 - ``int4``: the model does (nothing else patched);
 - ``int4+compact``: ``patch_activations()`` (LayerNorm from its float32 output, attention
   recomputed from its float32 block input, 2-bit GELU codes);
-- ``int4+lean``: ``patch_activations(preset="lean")``: LayerNorm outputs and attention block inputs
-  kept once, as the linear layers' 4-bit codes;
+- ``int4+lean``: lean's structural parts (:data:`~sketchprop.bench.common.LEAN_PARTS`:
+  ``patch_activations(preset="lean", gelu_bits=2, floor_bits=None)``): LayerNorm outputs and
+  attention block inputs kept once, as the linear layers' 4-bit codes;
 - ``int4+lean8``: the same with 8-bit codes (not shared with the 4-bit linear codes: more bytes);
 - ``int4g128+lean``: lean with every code's scales over groups of 128 columns, not 64 (fewer
   bytes: a group's two bfloat16 ends over twice the columns);
@@ -48,16 +49,16 @@ from sketchprop.codes import make_code
 from sketchprop.quantize import DEFAULT_GROUP
 
 from . import importance_variance as iv
-from .common import environment, fmt_table, setup_device, write_outputs
+from .common import LEAN_PARTS, environment, fmt_table, setup_device, write_outputs
 from .models import build_model, minilm_path
 
 #: Method -> ``patch_activations`` keywords (None: not patched).
 METHODS = {
     "int4": None,
     "int4+compact": {},
-    "int4+lean": {"preset": "lean"},
-    "int4+lean8": {"preset": "lean", "code_bits": 8},
-    "int4g128+lean": {"preset": "lean", "code_group": 128},
+    "int4+lean": dict(LEAN_PARTS),
+    "int4+lean8": {**LEAN_PARTS, "code_bits": 8},
+    "int4g128+lean": {**LEAN_PARTS, "code_group": 128},
     "int4+compact+ln": {"layernorm": "coded"},
     "int4+compact+attn": {"attention": "coded"},
 }

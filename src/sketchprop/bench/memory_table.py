@@ -31,8 +31,9 @@ and ``ckpt+ours+compact`` (the same on ours, and on checkpointing + ours); ``int
 ``int2`` (the exact sketch on every linear layer but the head, its stored rows ``X`` kept as
 ``b``-bit codes with bfloat16 group ends, as ``method=exact method.bits=b``), ``int<b>+compact``
 and ``int<b>+ckpt`` (the same with compact activations, and with checkpointing), ``int4+lean``
-(``int4`` with ``patch_activations(preset="lean")``: LayerNorm outputs and attention inputs kept
-once, as the linear layers' 4-bit codes), ``int4g128+lean`` (the same with scales over groups of
+(``int4`` with lean's structural parts, :data:`~sketchprop.bench.common.LEAN_PARTS`:
+``patch_activations(preset="lean", gelu_bits=2, floor_bits=None)``, LayerNorm outputs and attention
+inputs kept once, as the linear layers' 4-bit codes), ``int4g128+lean`` (the same with scales over groups of
 128 columns, as ``method.group=128``, the default being 64); ``lora``,
 ``lora+ckpt``, ``lora+ours`` and ``lora+ours+compact``: the same on a peft LoRA model as the
 pipeline's ``adapter=lora`` makes it (configs/adapter/lora.yaml; the weights frozen, ours sketches
@@ -71,7 +72,7 @@ from sketchprop.layers import RandomizedLinear
 from sketchprop.measure import SavedTensorMeter
 from sketchprop.patching import activation_defaults, find_linear
 
-from .common import ROOT, BadArgs, environment, parse_list, setup_device, sync
+from .common import LEAN_PARTS, ROOT, BadArgs, environment, parse_list, setup_device, sync
 from .models import TASKS, Configured, build_model, minilm_path
 from .peak import child_main, current_rss, peak_rss, reset_peak_rss, run_child, vm_hwm
 
@@ -106,8 +107,8 @@ PER_RHO = ("paper", "ours", "ckpt+ours", "ours+compact", "ckpt+ours+compact",  #
 # under an older default is found stale.
 COMPACT = {k: v for k, v in activation_defaults().items()
            if k in ("dropout", "attention", "gelu_bits", "gelu_code", "layernorm")}
-# The lean preset's settings, written into each record as COMPACT's are.
-LEAN = {"preset": "lean"}
+# What the tables call lean (common.LEAN_PARTS), written into each record as COMPACT's are.
+LEAN = dict(LEAN_PARTS)
 # Record key of each part in a method's record.
 PART_KEY = {"bytes": "saved_activation_bytes", "memory": "peak_memory"}
 # HF checkpointing as the memory table runs it (see the module docstring).

@@ -39,7 +39,7 @@ from sketchprop import (
 from sketchprop.measure import SavedTensorMeter
 from sketchprop.patching import find_linear
 
-from .common import parse_list
+from .common import LEAN_PARTS, parse_list
 
 # Real lengths of 16 MRPC dev pairs (random.seed(0) sample, MiniLM tokenizer, truncated at 128):
 # the batch when neither the GLUE folder nor the tokenizer is available.
@@ -166,7 +166,7 @@ ACTIVATIONS = {
     "lnout": {"dropout": "stored", "attention": "stored", "gelu_bits": None},
     "lnstored": {"layernorm": "stored"},
     "packed": {"dropout": "packed"},
-    "lean": {"preset": "lean"},
+    "lean": dict(LEAN_PARTS),
 }
 
 

@@ -60,9 +60,10 @@ RMSNORM = ("stored", "compact", "coded")
 LM_LOSS = ("stored", "chunked")
 #: ``preset=`` values: the parts' values a preset gives where its call does not (``"compact"``:
 #: the signature's defaults; ``"lean"``: norm outputs and attention and MLP inputs kept once, as
-#: the codes the next layers share).
+#: the codes the next layers share, GELU's derivative at 4 bits, and the generic floor at 4 bits
+#: for the rest: the measured choice, docs/library.md "Its bits and the GELU code").
 PRESETS = {"compact": {}, "lean": {"layernorm": "coded", "attention": "coded", "rmsnorm": "coded",
-                                   "mlp": "coded"}}
+                                   "mlp": "coded", "gelu_bits": 4, "floor_bits": 4}}
 #: The value that turns each part of :func:`patch_activations` off.
 PARTS_OFF = {"dropout": "stored", "attention": "stored", "gelu_bits": None, "layernorm": "stored",
              "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored", "floor_bits": None}
@@ -152,7 +153,7 @@ def patch_activations(
             ``floor_bits``-bit code per storage (groups of ``code_group``, unbiased rounding;
             bool masks at one bit; parameters, buffers, small and non-finite tensors and the
             parts' own saves as they are), by saved-tensor hooks the model's forward opens and
-            closes; any model. None (the default): off.
+            closes; any model. None: off (the default; 4 under ``preset="lean"``).
         targets / exclude: regexes on qualified module names selecting the dropout, GELU,
             LayerNorm, MLP and RMSNorm modules, as in :func:`patch_linear`.
         preset: ``"compact"`` (the defaults above) or ``"lean"``: ``layernorm``, ``rmsnorm``,
@@ -161,8 +162,11 @@ def patch_activations(
             the norm's backward, the attention's and the gated MLP's recompute and the next
             linear layers read (shared with
             :func:`patch_linear`'s codes of the same width and group: ``bits=4`` with the
-            defaults; :mod:`sketchprop.codes`). Biased at second order (docs/library.md, "Lean").
-            Options given explicitly override the preset's.
+            defaults; :mod:`sketchprop.codes`), ``gelu_bits=4``, and the floor at
+            ``floor_bits=4`` for whatever no part handles (the measured choice: docs/library.md,
+            "Its bits and the GELU code"). Biased at second order (docs/library.md, "Lean").
+            Options given explicitly override the preset's (``floor_bits=None`` leaves the
+            floor off).
         code_bits / code_group: width (8, 4 or 2) and columns per scale of the ``"coded"`` parts.
 
     Returns:
