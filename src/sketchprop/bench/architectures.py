@@ -93,6 +93,9 @@ SETUPS: dict[str, tuple[int | None, dict | None]] = {
 #: (docs/library.md, "The generic floor").
 LEAN_FLOOR = "int4+lean(gelu4)+floor4"
 WIDTHS = {"tiny": fam.TINY, "wide": fam.WIDE}
+#: The setups measured at the published widths (``--width published``), where each forward takes
+#: up to a minute: int4 and the floor alone, lean without and with the floor, the preset.
+PUBLISHED_SETUPS = ("int4", "floor4", "int4+lean", "int4+lean+floor4", LEAN_FLOOR)
 CONV = "convnet"
 
 
@@ -114,23 +117,24 @@ class ConvNet(nn.Module):
         return SimpleNamespace(loss=nn.functional.cross_entropy(logits, labels), logits=logits)
 
 
-def build(name: str, width: fam.Width, positions: int | None = None) -> tuple[nn.Module, dict]:
-    """Family ``name`` (or the conv net) at ``width`` and its batch; ``positions``: room for rows
-    of that many tokens where the config sets a maximum (RoBERTa's positions start after its
-    padding index)."""
+def build(name: str, width: fam.Width, positions: int | None = None,
+          overrides: dict | None = None) -> tuple[nn.Module, dict]:
+    """Family ``name`` (or the conv net) at ``width`` (config ``overrides`` on top) and its batch;
+    ``positions``: room for rows of that many tokens where the config sets a maximum (RoBERTa's
+    positions start after its padding index)."""
     if name == CONV:
         torch.manual_seed(0)
         model = ConvNet(width.hidden).train()
         g = torch.Generator().manual_seed(0)
         return model, {"pixel_values": torch.randn(8, 3, 32, 32, generator=g),
                        "labels": torch.randint(0, 10, (8,), generator=g)}
-    room = {}
+    room = dict(overrides or {})
     if positions is not None:
-        config = fam.config_of(name, width)
-        room = {k: positions + 2 for k in ("max_position_embeddings", "n_positions")
-                if getattr(config, k, None) is not None}
+        config = fam.config_of(name, width, **room)
+        room.update({k: positions + 2 for k in ("max_position_embeddings", "n_positions")
+                     if getattr(config, k, None) is not None})
         if fam.FAMILIES[name].kind == "image":  # images of about ``positions`` patches
-            room = {"image_size": config.patch_size * math.isqrt(positions)}
+            room["image_size"] = config.patch_size * math.isqrt(positions)
     model = fam.build(name, width, **room)
     return model, fam.make_batch(name, model)
 
@@ -213,6 +217,22 @@ def apply_setup(model: nn.Module, setup: str) -> tuple[str, str]:
     return linear, ""
 
 
+def patch_logged(model: nn.Module, cell: Cell) -> None:
+    """:func:`apply_setup` of ``cell.setup`` on ``model``, its outcome and ``patch_activations``'
+    log line (the parts applied and left) into ``cell``."""
+    handler, log = _Lines(), logging.getLogger("sketchprop.patching")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        cell.linear_patched, cell.refused = apply_setup(model, cell.setup)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    cell.parts = "; ".join(line.split("): ", 1)[-1] for line in handler.lines
+                           if line.startswith("patch_activations("))
+
+
 def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tuple) -> Cell:
     """Family ``name`` patched by ``setup``: its cell (module docstring)."""
     ref, ref_loss, exact_bytes = exact
@@ -220,19 +240,9 @@ def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tu
     cell = Cell(setup)
     start = time.perf_counter()
     model, batch = build(name, width)
-    handler, log = _Lines(), logging.getLogger("sketchprop.patching")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
-        cell.linear_patched, cell.refused = apply_setup(model, setup)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+    patch_logged(model, cell)
     if cell.refused:
         return cell
-    cell.parts = "; ".join(line.split("): ", 1)[-1] for line in handler.lines
-                           if line.startswith("patch_activations("))
     names = list(ref)
     exact_flat = flat(ref, names)
     norm = float(exact_flat.pow(2).sum())
@@ -273,6 +283,38 @@ def measure(name: str, width: fam.Width, setups: list[str], steps: int) -> Row:
     row = Row(name, type(model).__name__, exact_bytes)
     for setup in setups:
         row.cells.append(asdict(measure_setup(name, width, setup, steps, (ref, loss, exact_bytes))))
+    return row
+
+
+def forward_bytes(model: nn.Module, batch: dict) -> int:
+    """The bytes one training forward saves for backward (no backward: the graph is dropped)."""
+    with SavedTensorMeter(model) as meter:
+        loss = model(**batch).loss
+    del loss
+    return meter.bytes
+
+
+def measure_published(name: str, setups: list[str], length: int) -> Row:
+    """Family ``name`` at its published width (:data:`~sketchprop.bench.families.PUBLISHED`) on
+    four full-length rows of ``length`` tokens: each setup's saved bytes over exact's and its
+    parts, from one training forward each (no backward: at these widths a step takes minutes on
+    a CPU, and a Mixtral slice's weights and gradients would not fit its memory). One model,
+    patched and unpatched in turn."""
+    _, width, overrides = fam.PUBLISHED[name]
+    model, _ = build(name, width, length, overrides)
+    batch = timing_batch(name, model, length)
+    row = Row(name, type(model).__name__, forward_bytes(model, batch))
+    for setup in setups:
+        cell, start = Cell(setup), time.perf_counter()
+        patch_logged(model, cell)
+        if not cell.refused:
+            cell.saved_ratio = forward_bytes(model, batch) / row.saved_bytes_exact
+        if SETUPS[setup][1] is not None and not cell.refused:
+            unpatch_activations(model)
+        if SETUPS[setup][0] is not None:
+            unpatch_linear(model)
+        cell.seconds = time.perf_counter() - start
+        row.cells.append(asdict(cell))
     return row
 
 
@@ -336,9 +378,15 @@ def tables(payload: dict) -> str:
     a, rows = payload["args"], payload["results"]
     setups = [c["setup"] for c in rows[0]["cells"]]
     w = payload["width"]
-    where = (f"random weights, hidden {w['hidden']}, {w['heads']} heads, MLP {w['mlp']}, "
-             f"{w['layers']} layers, batch 4 x 48 tokens padded on the right (the conv net: 8 "
-             f"images 32 x 32); {a['steps']} steps per setup")
+    published = payload.get("published")  # family: its checkpoint and shape (--width published)
+    if published:
+        where = (f"each family at its published width (below), random weights, {w['layers']} "
+                 f"layers, 4 x {a['time_length']} full-length tokens (ViT: 4 images of about as "
+                 f"many patches); one training forward per setup")
+    else:
+        where = (f"random weights, hidden {w['hidden']}, {w['heads']} heads, MLP {w['mlp']}, "
+                 f"{w['layers']} layers, batch 4 x 48 tokens padded on the right (the conv net: "
+                 f"8 images 32 x 32); {a['steps']} steps per setup")
     out = []
 
     def cell_table(title, value):
@@ -347,25 +395,31 @@ def tables(payload: dict) -> str:
         out.append(fmt_table(["family", *setups], lines, title=f"{title}; {where}"))
 
     cell_table("Saved bytes over exact's", lambda c: _fmt(c["saved_ratio"], ".3f"))
-    cell_table("Gradient error ||g - g_exact||^2 / ||g_exact||^2 (mean over the steps)",
-               lambda c: _fmt(c["error"], ".1e"))
-    cell_table("Bias: ||mean g - g_exact||^2 over error / steps (about 1: unbiased; well above: "
-               "a bias dominates; at most the steps, where the error is all bias; a dash where "
-               "the steps agree, a deterministic error)", lambda c: _fmt(c["bias_ratio"], ".1f"))
+    if not published:
+        cell_table("Gradient error ||g - g_exact||^2 / ||g_exact||^2 (mean over the steps)",
+                   lambda c: _fmt(c["error"], ".1e"))
+        cell_table("Bias: ||mean g - g_exact||^2 over error / steps (about 1: unbiased; well "
+                   "above: a bias dominates; at most the steps, where the error is all bias; a "
+                   "dash where the steps agree, a deterministic error)",
+                   lambda c: _fmt(c["bias_ratio"], ".1f"))
     lines = []
     for r in rows:
         cells = {c["setup"]: c for c in r["cells"]}
         lean, int4 = cells.get(LEAN_FLOOR) or r["cells"][-1], cells.get("int4")
-        lost = sum(c["lost"] for c in r["cells"])
-        trip = all(c["round_trip_exact"] in (True, None) for c in r["cells"])
-        lines.append([r["family"], r["model"], f"{r['saved_bytes_exact'] / 1e6:.2f}",
+        first = [r["family"], r["model"]]
+        if published:
+            first.append(published[r["family"]])
+        last = [] if published else [
+            str(sum(c["lost"] for c in r["cells"])),
+            "yes" if all(c["round_trip_exact"] in (True, None) for c in r["cells"]) else "NO"]
+        lines.append([*first, f"{r['saved_bytes_exact'] / 1e6:.2f}",
                       int4["linear_patched"] if int4 else "-",
-                      lean["parts"] or lean["refused"] or "-", str(lost),
-                      "yes" if trip else "NO"])
+                      lean["parts"] or lean["refused"] or "-", *last])
     out.append(fmt_table(
-        ["family", "model", "saved MB, exact", "linear layers patched (int4)",
-         f"patch_activations ({lean['setup']}): applied; left (why)",
-         "parameters without a gradient (all setups)", "unpatch round trip exact"],
+        ["family", "model", *(["published shape"] if published else []), "saved MB, exact",
+         "linear layers patched (int4)", f"patch_activations ({lean['setup']}): applied; left (why)",
+         *([] if published else ["parameters without a gradient (all setups)",
+                                 "unpatch round trip exact"])],
         lines, title="What applies to each family"))
     if payload.get("times"):
         methods = ["checkpointing"]
@@ -396,23 +450,42 @@ def tables(payload: dict) -> str:
                                       if refused else "")
 
 
+def shape_of(name: str) -> str:
+    """Family ``name``'s published checkpoint and shape, as the table names it."""
+    checkpoint, width, overrides = fam.PUBLISHED[name]
+    config = fam.config_of(name, width, **overrides)
+    kv = getattr(config, "num_key_value_heads", None)
+    experts = next((getattr(config, k) for k in ("num_local_experts", "num_experts")
+                    if getattr(config, k, None)), None)
+    return (f"{checkpoint}: hidden {width.hidden}, {width.heads} heads"
+            + (f" ({kv} key/value)" if kv not in (None, width.heads) else "")
+            + f", MLP {width.mlp}" + (f" x {experts} experts" if experts else "")
+            + (f", vocabulary {width.vocab}" if fam.FAMILIES[name].keys[4] else ""))
+
+
 def run(args) -> None:
     """The matrix as ``scripts/architectures.py`` runs it (its options in ``args``): write
     ``architectures[_<tag>].{json,md}`` and print the tables."""
     dev = setup_device("cpu", args.threads)
     env = environment(dev)
-    width = WIDTHS[args.width]
+    published = args.width == "published"
+    width = fam.TINY if published else WIDTHS[args.width]  # (published: its layers only)
     setups = parse_list(args.setups)
     time_setups = parse_list(args.time_setups) if args.time else []
     unknown = [s for s in (*setups, *time_setups) if s not in SETUPS]
     names = parse_list(args.families)
     unknown += [n for n in names if n not in fam.FAMILIES and n != CONV]
+    if published:  # (no published conv net)
+        unknown += [n for n in names if n == CONV]
     if unknown:
         raise SystemExit(f"unknown setup or family {unknown}; setups: {list(SETUPS)}; families: "
-                         f"{[*fam.FAMILIES, CONV]}")
+                         f"{[*fam.FAMILIES, *([] if published else [CONV])]}")
+    if published and args.time:
+        raise SystemExit("--width published measures saved bytes only: no --time")
     results = []
     for name in names:
-        row = measure(name, width, setups, args.steps)
+        row = (measure_published(name, setups, args.time_length) if published
+               else measure(name, width, setups, args.steps))
         results.append(asdict(row))
         print(f"{name}: " + ", ".join(f"{c['setup']} {_fmt(c['saved_ratio'], '.3f')}"
                                       for c in row.cells), flush=True)
@@ -425,6 +498,8 @@ def run(args) -> None:
                                           times[name].items()), flush=True)
     payload = {"environment": env, "args": vars(args), "width": asdict(width),
                "results": results, "times": times}
+    if published:
+        payload["published"] = {name: shape_of(name) for name in names}
     text = tables(payload)
     write_outputs("architectures" + (f"_{args.tag}" if args.tag else ""), payload, text,
                   args.out_dir)

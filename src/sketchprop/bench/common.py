@@ -34,6 +34,16 @@ from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch
 #: alone keep measuring that.
 LEAN_PARTS = {"preset": "lean", "gelu_bits": 2, "floor_bits": None}
 
+
+def lean_parts(model: torch.nn.Module) -> dict:
+    """:data:`LEAN_PARTS` for ``model``: the GELU code's bits only where it has a GELU (a part
+    given explicitly that the model lacks is an error)."""
+    from sketchprop.activations import is_exact_gelu, is_tanh_gelu
+
+    if any(is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
+        return dict(LEAN_PARTS)
+    return {k: v for k, v in LEAN_PARTS.items() if k != "gelu_bits"}
+
 ROOT = REPO_ROOT  # the checkout
 RESULTS = ROOT / "results" / "bench"
 # The GLUE files shipped with the code (data/glue/SOURCES.md); GLUE_DIR points elsewhere.

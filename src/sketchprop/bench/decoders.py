@@ -11,7 +11,7 @@ the inputs (transformers shifts them), CPU, SDPA attention as transformers picks
   ``patch_activations(model)``;
 - ``int4+compact``, ``int4+lean``: ``patch_linear(model, sketch="exact", bits=4)`` (every linear
   input kept as a 4-bit code) and ``patch_activations(model)``, or with lean's structural parts
-  (:data:`~sketchprop.bench.common.LEAN_PARTS`: ``preset="lean"`` without its floor; each
+  (:func:`~sketchprop.bench.common.lean_parts`: ``preset="lean"`` without its floor; each
   RMSNorm output kept once, as the 4-bit code that the next linear layers, the attention's
   rotated Q, K, V and the gated MLP's gate and up outputs are made again from in backward);
 - ``lora``: peft LoRA (r 8, alpha 16, no dropout) on every linear layer of the blocks, the rest
@@ -51,10 +51,10 @@ from sketchprop import patch_activations, patch_linear
 from sketchprop.measure import SavedTensorMeter
 
 from .common import (
-    LEAN_PARTS,
     BadArgs,
     environment,
     fmt_table,
+    lean_parts,
     parse_list,
     r3,
     setup_device,
@@ -177,7 +177,8 @@ def configure(base, arch: str, method: str, sketch: str, rho: float):
     if "int4" in parts:
         patch_linear(model, sketch="exact", bits=4, **where)
     if "compact" in parts or "lean" in parts:
-        patch_activations(model, **({**LEAN_PARTS, **options} if "lean" in parts else options))
+        patch_activations(model, **({**lean_parts(model), **options} if "lean" in parts
+                                    else options))
     return model
 
 

@@ -173,3 +173,41 @@ def make_batch(name: str, model: nn.Module, batch: int = 4, length: int = 48,
     else:
         data["labels"] = ids.masked_fill(mask == 0, -100)
     return data
+
+
+#: Each family at its published width: the smallest published checkpoint of the family (named),
+#: as ``(checkpoint, Width, config overrides)``: its hidden size, heads, MLP width, vocabulary,
+#: head layout (key/value heads, head width) and the rest of the shape that sets what a layer
+#: saves (sliding windows, experts, position buckets), 2 layers. Random weights, as every build.
+PUBLISHED: dict[str, tuple[str, Width, dict]] = {
+    "bert": ("bert-base-uncased", Width(768, 12, 3072, vocab=30522), {}),
+    "roberta": ("roberta-base", Width(768, 12, 3072, vocab=50265), {}),
+    "distilbert": ("distilbert-base-uncased", Width(768, 12, 3072, vocab=30522), {}),
+    "deberta-v2": ("microsoft/deberta-v3-base", Width(768, 12, 3072, vocab=128100),
+                   {"position_buckets": 256}),
+    "modernbert": ("answerdotai/ModernBERT-base", Width(768, 12, 1152, vocab=50368),
+                   {"global_attn_every_n_layers": 3, "local_attention": 128}),
+    "t5": ("t5-base", Width(768, 12, 3072, vocab=32128), {"relative_attention_num_buckets": 32}),
+    "llama": ("meta-llama/Llama-3.2-1B", Width(2048, 32, 8192, vocab=128256),
+              {"num_key_value_heads": 8, "tie_word_embeddings": True}),
+    "qwen2": ("Qwen/Qwen2.5-0.5B", Width(896, 14, 4864, vocab=151936),
+              {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen/Qwen3-0.6B", Width(1024, 16, 3072, vocab=151936),
+              {"num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}),
+    "mistral": ("mistralai/Mistral-7B-v0.1", Width(4096, 32, 14336, vocab=32000),
+                {"num_key_value_heads": 8, "sliding_window": 4096}),
+    "gemma2": ("google/gemma-2-2b", Width(2304, 8, 9216, vocab=256000),
+               {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                "tie_word_embeddings": True}),
+    "gemma3": ("google/gemma-3-1b-pt", Width(1152, 4, 6912, vocab=262144),
+               {"num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+                "tie_word_embeddings": True}),
+    "phi3": ("microsoft/Phi-3-mini-4k-instruct", Width(3072, 32, 8192, vocab=32064), {}),
+    "gpt2": ("gpt2", Width(768, 12, 3072, vocab=50257), {}),
+    "mixtral": ("mistralai/Mixtral-8x7B-v0.1", Width(4096, 32, 14336, vocab=32000),
+                {"num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen/Qwen3-30B-A3B", Width(2048, 32, 768, vocab=151936),
+                  {"num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                   "num_experts_per_tok": 8, "intermediate_size": 6144}),
+    "vit": ("google/vit-base-patch16-224", Width(768, 12, 3072), {"patch_size": 16}),
+}
