@@ -158,8 +158,10 @@ def _keep_positive(x: Tensor, packed: Tensor) -> Tensor:
     """``x`` where the packed bits say positive, 0 elsewhere; a positive value that the rounding
     took to 0 comes back as the smallest normal number, so that exactly the positive ones are
     (an upward bias of at most that number)."""
-    positive = unpack_codes(packed, 1, x.numel()).view(torch.bool)
-    return torch.where(positive, x.clamp_min(torch.finfo(x.dtype).tiny), 0)
+    # (a product by the 0/1 bits, not torch.where on them as bools: inductor's CPU code cannot
+    # vectorize that cast)
+    positive = unpack_codes(packed, 1, x.numel()).to(x.dtype)
+    return x.clamp_min(torch.finfo(x.dtype).tiny) * positive
 
 
 class Floor:
