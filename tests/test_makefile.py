@@ -43,7 +43,8 @@ def test_bench_runs_the_cpu_benchmark_suite():
 
 def test_bench_suite_remakes_every_committed_benchmark():
     """Each results/bench/*.json was written by a command that `make bench` (or `make
-    architectures`, `make architectures-published`, `make decoder-finetune`) runs again: the same script with the same --tag."""
+    architectures`, `make architectures-published`, `make decoder-finetune`) runs again: the same
+    script with the same --tag."""
     import json
     import re
     import shlex
