@@ -554,6 +554,28 @@ def test_two_threads_train_one_model_with_the_chunked_loss():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_the_chunked_loss_gives_back_an_output_layers_own_forward():
+    """An output layer with a forward of its own (another library's wrapper) has it back after a
+    chunked step (it was deleted), and other calls during the step go through it."""
+    model = tiny_gpt2()
+    patch_activations(model, dropout="stored", attention="stored", gelu_bits=None,
+                      layernorm="stored", lm_loss="chunked")
+    head, calls = model.lm_head, []
+
+    def wrapper(x):
+        calls.append(x.shape)
+        return nn.Linear.forward(head, x)
+
+    head.forward = wrapper
+    model.train()
+    model(**batch()).loss.backward()
+    assert vars(head)["forward"] is wrapper and not calls  # the chunked step took the input
+    model.eval()
+    with torch.no_grad():
+        model(**batch())
+    assert calls
+
+
 def test_tanh_gelu_derivative_and_range():
     x = torch.linspace(-6, 6, 10001, dtype=torch.float64).requires_grad_(True)
     (want,) = torch.autograd.grad(nn.functional.gelu(x, approximate="tanh").sum(), x)

@@ -203,14 +203,35 @@ def test_the_recomputed_attention_keeps_its_block_input_once():
     assert 0 < err < 0.05, err  # every parameter together: 4-bit codes
 
 
-def test_a_relu_keeps_its_mask_exactly():
+class _Relu(nn.Module):
+    """``nn.Linear(64, 128)`` then a ReLU as ``how`` applies it, then a kept weight."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.a = how, nn.Linear(64, 128)
+        self.register_buffer("w", torch.randn(128, 8))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "module":
+            h = nn.functional.relu(h)
+        elif self.how == "view in place":  # its node: the view's, over CopySlices
+            nn.functional.relu(h.view(-1, 2, 64), inplace=True)
+        else:  # "slice in place": half the storage, the other half negative or positive
+            h[:, :64].relu_()
+        return h @ self.w
+
+
+@pytest.mark.parametrize("how", ["module", "view in place", "slice in place"])
+def test_a_relu_keeps_its_mask_exactly(how):
     """A ReLU's backward passes the gradient where its output is positive. The floor keeps which
     values are (a bit each, counted), so the input's gradient, which reads only that mask and
     kept weights, is the exact one: without the bit, small positive values rounded to 0 lost
-    their gradient (a bias towards 0)."""
+    their gradient (a bias towards 0). In place on a view too; in place on part of a storage
+    with negative values elsewhere, that storage is kept as it is."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
-    model = floor_only(copy.deepcopy(net))
+    net = _Relu(how)
+    model = floor_only(copy.deepcopy(net), bits=2)
     x = torch.randn(256, 64, requires_grad=True)
     (want,) = torch.autograd.grad(net(x).sum(), x)
     with SavedTensorMeter() as meter:
@@ -218,7 +239,11 @@ def test_a_relu_keeps_its_mask_exactly():
     (got,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     relu = 256 * 128
-    assert relu // 2 + relu // 64 * 4 + relu // 8 in [n for n, _ in meter.records]
+    sizes = [n for n, _ in meter.records]
+    if how == "slice in place":
+        assert relu * 4 in sizes
+    else:
+        assert relu // 4 + relu // 64 * 4 + relu // 8 in sizes  # 2-bit codes, ends, the bits
 
 
 def test_a_floor_inside_a_floored_model_leaves_its_saves_to_the_outer_one():
@@ -247,6 +272,27 @@ def test_a_floor_inside_a_floored_model_leaves_its_saves_to_the_outer_one():
     code4 = 8192 // 2 + 8192 // 64 * 4
     # the Linear's input and exp's output, coded at the outer floor's 4 bits; Save's, as it is
     assert sizes == sorted([code4, code4, 8192 * 4]), sizes
+
+    class Scaled(nn.Module):  # a buffer that mul saves for x's gradient
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.randn(64, 128))
+
+        def forward(self, x):
+            return x * self.scale
+
+    class Outer(nn.Module):  # calls a floored model that is not its submodule
+        def __init__(self, inner):
+            super().__init__()
+            self.a, self.inner = nn.Linear(128, 128), [inner]
+
+        def forward(self, x):
+            return self.inner[0](self.a(x)).sum()
+
+    outer = floor_only(Outer(floor_only(Scaled())))
+    with SavedTensorMeter() as meter:
+        outer(torch.randn(64, 128)).backward()
+    assert 8192 * 4 in [n for n, _ in meter.records]  # the inner model's buffer, as it is
 
 
 @pytest.mark.stack("threads", "floor")

@@ -18,12 +18,14 @@ a product's other factor) gets its exact gradient in expectation. One that reads
 non-linear function (a softmax's, a GELU's or a norm's backward, the attention's) is evaluated
 at the decoded point, a bias of the order of the rounding's variance, measured per family in
 ``results/bench/architectures.md`` (its bias column). A ReLU's output (saved by its autograd
-node, ``ReluBackward0``, whose backward keeps the gradient where the output is positive) keeps
-one more bit per value, which values are positive, so that the mask is exact: without it, a
-small positive value rounded to 0 lost its gradient. (Other non-negative tensors with zeros, a
+node, ``ReluBackward0``, or, in place on a view, by the view's ``AsStridedBackward0`` over
+``CopySlices``; its backward keeps the gradient where the output is positive) keeps one more bit
+per value, which values are positive, so that the mask is exact: without it, a small positive
+value rounded to 0 lost its gradient. (In place on part of a storage whose other values are
+negative, it is kept as it is.) (Other non-negative tensors with zeros, a
 masked softmax's probabilities, need no bit: their backward reads no sign.) A saved input that
-backward compares with a threshold (a leaky ReLU's, a clamp's, hardtanh's) keeps a bias from
-values within a level of it.
+backward compares with a threshold or reads its sign (a leaky ReLU's, a clamp's, hardtanh's,
+abs's) keeps a bias from values within a level of it.
 
 Never coded, kept as they are:
 
@@ -88,6 +90,15 @@ _NARROWER = {torch.int64: (torch.int8, torch.int16, torch.int32),
 
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 _RELU = "ReluBackward"  # the node of torch.relu, F.relu and nn.ReLU (in place too)
+
+
+def _relu_output(t: Tensor) -> bool:
+    """Whether ``t`` may be a ReLU's output by its autograd node: ReLU's own, or an in-place op
+    on a view (a ReLU in place on a slice), whose node autograd hides behind ``CopySlices``
+    (where that op was another, a bit a value is spent for nothing)."""
+    name = type(t.grad_fn).__name__
+    return _RELU in name or (name.startswith("AsStridedBackward") and any(
+        type(n).__name__ == "CopySlices" for n, _ in t.grad_fn.next_functions))
 _local = threading.local()  # per thread: the open hook contexts of the floors, innermost last
 
 
@@ -194,7 +205,10 @@ class Floor:
         """Forward pre-hook: in training with gradients, open the hooks for this call."""
         # A floor inside another one's forward (a floored block of a floored model) leaves the
         # saves to the outer one: nested hooks would see each other's calls, not Function.apply.
-        on = module.training and torch.is_grad_enabled() and _open() is None
+        outer = _open()
+        if outer is not None:  # what the outer floor keeps as it is includes this model's own
+            outer.keep(module)
+        on = module.training and torch.is_grad_enabled() and outer is None
         # (is_dynamo_compiling, not is_compiling: that one is process-wide, and a compile in
         # another thread would turn this floor off)
         if on and torch.compiler.is_dynamo_compiling():
@@ -236,13 +250,19 @@ class _Call:
 
     def __init__(self, floor: Floor, model: nn.Module, outer):
         self.floor, self.outer = floor, outer
-        self.kept = {_where(p) for p in (*model.parameters(), *model.buffers())}
-        # a frozen weight's cast (autocast's) and its transpose: no gradient, the weight's shape
-        self.frozen_shapes = {s for p in model.parameters() if not p.requires_grad
-                              for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+        self.kept, self.frozen_shapes = set(), set()
+        self.keep(model)
         self.codes: dict[tuple, tuple] = {}
         self.offered = WeakTensorKeyDictionary()  # custom Functions' saves it may code (offer)
         self.hooks = None
+
+    def keep(self, model: nn.Module) -> None:
+        """Keep ``model``'s parameters and buffers as they are (this call's model, or a floored
+        model called inside its forward)."""
+        self.kept |= {_where(p) for p in (*model.parameters(), *model.buffers())}
+        # a frozen weight's cast (autocast's) and its transpose: no gradient, the weight's shape
+        self.frozen_shapes |= {s for p in model.parameters() if not p.requires_grad
+                               for s in (tuple(p.shape), tuple(p.shape)[::-1])}
 
     def done(self) -> None:
         # the payloads live on in what autograd saved; the map and the offers go
@@ -287,10 +307,15 @@ class _Call:
                 lo, hi = flat.aminmax()  # (NaN comes out of both)
                 if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                     return None
+                relu = _relu_output(t)
+                if relu and lo < 0:  # an op in place on part of a storage, negatives elsewhere
+                    if bool(t.detach().amin() == 0):  # a ReLU's, by its values: its mask
+                        return None  # needs the part's signs: kept as it is, exact
+                    relu = False
                 payload, spec, _ = quantize(flat.view(1, n), self.floor.bits, self.floor.group,
                                             self.floor.seeds.next())
                 coded = _Coded(spec, n, t.dtype)
-                if lo == 0 and _RELU in type(t.grad_fn).__name__:
+                if relu and lo == 0:
                     # A ReLU's output, whose backward passes the gradient where it is positive:
                     # rounding took small positive values to 0 about as often as they are small,
                     # and their gradients with them (a bias), so which values are positive is

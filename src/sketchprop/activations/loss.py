@@ -184,12 +184,13 @@ class _Capture:
     thread, it is the layer's own forward."""
 
     def __init__(self, head: nn.Linear):
-        self.head, self.users = head, 0
+        # a forward the instance had of its own (another library's wrapper), restored after
+        self.head, self.users, self.previous = head, 0, head.__dict__.get("forward")
 
     def __call__(self, x: Tensor) -> Tensor:
         seen = getattr(_capturing, "heads", {}).get(id(self.head))
         if seen is None:
-            return nn.Linear.forward(self.head, x)
+            return nn.Linear.forward(self.head, x) if self.previous is None else self.previous(x)
         seen["hidden"] = x
         return x.new_empty(*x.shape[:-1], 0)
 
@@ -240,7 +241,10 @@ class LMLossForward:
             with _swap:
                 capture.users -= 1
                 if not capture.users:
-                    del head.forward
+                    if capture.previous is None:
+                        del head.forward
+                    else:
+                        head.forward = capture.previous
         loss = chunked_lm_loss(seen["hidden"], head.weight, labels, head.bias,
                                **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}

@@ -471,7 +471,7 @@ def run(args) -> None:
     published = args.width == "published"
     width = fam.TINY if published else WIDTHS[args.width]  # (published: its layers only)
     setups = parse_list(args.setups)
-    time_setups = parse_list(args.time_setups) if args.time else []
+    time_setups = parse_list(args.time_setups)  # (checked without --time too)
     unknown = [s for s in (*setups, *time_setups) if s not in SETUPS]
     names = parse_list(args.families)
     unknown += [n for n in names if n not in fam.FAMILIES and n != CONV]
