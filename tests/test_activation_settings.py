@@ -148,6 +148,27 @@ def test_recomputation_that_cannot_tell_the_calls_apart_raises(reentrant):
 # 4. Two threads on one model.
 
 
+def in_two_threads(work, barrier: threading.Barrier) -> list:
+    """``[work(0), work(1)]``, each in a thread of its own, at once (``barrier`` makes them meet
+    inside); an error in one aborts the barrier, so that the other does not wait, and fails."""
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            results[i] = work(i)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 @pytest.mark.parametrize("sketch", [
     pytest.param(False, marks=pytest.mark.stack("threads", "compact")),
     pytest.param(True, marks=pytest.mark.stack("threads", "sketch", "compact"))])
@@ -176,25 +197,11 @@ def test_two_threads_on_one_model(sketch):
 
     from transformers import AttentionInterface
 
-    results, errors = [None, None], []
-
-    def worker(i):
-        try:
-            results[i] = run(batches[i])
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-            barrier.abort()
-
     AttentionInterface.register(act.ATTENTION_NAME, interleaved)
     try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = in_two_threads(lambda i: run(batches[i]), barrier)
     finally:
         act.register_attention()
-    assert not errors, errors
     for got, ref in zip(results, want, strict=True):
         for g, w in zip(got, ref, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

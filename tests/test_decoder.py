@@ -13,6 +13,7 @@ import torch
 import transformers as tf
 from peft import LoraConfig, get_peft_model
 from scipy import stats
+from test_activation_settings import in_two_threads
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -531,22 +532,8 @@ def test_two_threads_train_one_model_with_the_chunked_loss():
         barrier.wait(timeout=20)
 
     handle = model.transformer.h[0].register_forward_pre_hook(meet)
-    results, errors = [None, None], []
-
-    def worker(i):
-        try:
-            results[i] = run(batches[i])
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-            barrier.abort()
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = in_two_threads(lambda i: run(batches[i]), barrier)
     handle.remove()
-    assert not errors, errors
     assert "forward" not in vars(model.lm_head)
     for (loss, grads), (ref_loss, ref_grads) in zip(results, want, strict=True):
         torch.testing.assert_close(loss, ref_loss)

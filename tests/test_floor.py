@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from test_activation_settings import in_two_threads
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -94,20 +95,24 @@ def test_parameters_are_kept_and_activations_coded_unbiased():
     assert z.abs().max() < 4.9, z.abs().max()  # Phi^-1(1 - 1e-4 / 512)
 
 
+class Save(torch.autograd.Function):
+    """``2 x``, saving ``x``: a custom Function's save, which the floor keeps as it is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 2 + 0 * x
+
+
 def test_what_is_kept_as_it_is_and_what_is_coded():
     """Small tensors, non-finite ones, integer ones, custom Functions' saves and buffers pass
     through; a storage saved by two backward functions is one code; a bool mask is one bit a
     value."""
-    class Save(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
     class Probe(nn.Module):
         def __init__(self):
             super().__init__()
@@ -250,17 +255,6 @@ def test_a_floor_inside_a_floored_model_leaves_its_saves_to_the_outer_one():
     """A floored block called in a floored model's forward: the outer floor codes, once, and a
     custom Function's save inside the block is kept as it is (the inner hooks made the outer
     ones see them, not Function.apply, and code it)."""
-    class Save(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return g * 2 + 0 * x
-
     class Inner(nn.Module):
         def forward(self, x):
             return Save.apply(x.exp())
@@ -312,25 +306,15 @@ def test_two_threads_on_one_floored_model():
 
     model.body[3].register_forward_pre_hook(meet)
     params = dict(model.named_parameters())
-    results, errors = [None, None], []
 
-    def worker(i):
-        try:
-            x, y = batches[i]
-            with SavedTensorMeter(model) as meter:
-                loss = nn.functional.cross_entropy(model(x), y)
-            grads = torch.autograd.grad(loss, list(params.values()))
-            results[i] = meter.bytes, dict(zip(params, grads, strict=True))
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-            barrier.abort()
+    def work(i):
+        x, y = batches[i]
+        with SavedTensorMeter(model) as meter:
+            loss = nn.functional.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        return meter.bytes, dict(zip(params, grads, strict=True))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = in_two_threads(work, barrier)
     for (coded, got), (exact_bytes, ref) in zip(results, want, strict=True):
         assert coded <= 0.20 * exact_bytes
         err = sum((got[n] - ref[n]).square().sum() for n in ref) / sum(

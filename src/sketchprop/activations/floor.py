@@ -21,9 +21,9 @@ at the decoded point, a bias of the order of the rounding's variance, measured p
 node, ``ReluBackward0``, or, in place on a view, by the view's ``AsStridedBackward0`` over
 ``CopySlices``; its backward keeps the gradient where the output is positive) keeps one more bit
 per value, which values are positive, so that the mask is exact: without it, a small positive
-value rounded to 0 lost its gradient. (In place on part of a storage whose other values are
-negative, it is kept as it is.) (Other non-negative tensors with zeros, a
-masked softmax's probabilities, need no bit: their backward reads no sign.) A saved input that
+value rounded to 0 lost its gradient; in place on part of a storage whose other values are
+negative, that storage is kept as it is. (Other non-negative tensors with zeros, a masked
+softmax's probabilities, need no bit: their backward reads no sign.) A saved input that
 backward compares with a threshold or reads its sign (a leaky ReLU's, a clamp's, hardtanh's,
 abs's) keeps a bias from values within a level of it.
 
@@ -90,6 +90,7 @@ _NARROWER = {torch.int64: (torch.int8, torch.int16, torch.int32),
 
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 _RELU = "ReluBackward"  # the node of torch.relu, F.relu and nn.ReLU (in place too)
+_local = threading.local()  # per thread: the open hook contexts of the floors, innermost last
 
 
 def _relu_output(t: Tensor) -> bool:
@@ -99,7 +100,6 @@ def _relu_output(t: Tensor) -> bool:
     name = type(t.grad_fn).__name__
     return _RELU in name or (name.startswith("AsStridedBackward") and any(
         type(n).__name__ == "CopySlices" for n, _ in t.grad_fn.next_functions))
-_local = threading.local()  # per thread: the open hook contexts of the floors, innermost last
 
 
 def _stack() -> list:

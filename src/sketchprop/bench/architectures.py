@@ -49,7 +49,6 @@ import torch
 from torch import nn
 
 from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
-from sketchprop.activations import is_exact_gelu, is_tanh_gelu
 from sketchprop.measure import SavedTensorMeter
 from sketchprop.patching import PARTS_OFF
 from sketchprop.patching.linear import _is_linear
@@ -59,6 +58,7 @@ from .common import (
     LEAN_PARTS,
     environment,
     fmt_table,
+    for_model,
     interleaved_times,
     parse_list,
     ratio_stats,
@@ -200,16 +200,13 @@ def apply_setup(model: nn.Module, setup: str) -> tuple[str, str]:
     layers patched of the model's (``"k of n"``, or ``""``), and ``patch_activations``' refusal
     where nothing of it applies (else ``""``)."""
     bits, activations = SETUPS[setup]
-    if activations is not None and activations.get("gelu_bits") is not None and not any(
-            is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
-        activations = {k: v for k, v in activations.items() if k != "gelu_bits"}  # no GELU
     linear = ""
     if bits is not None:
         count = sum(_is_linear(m) for m in model.modules())
         linear = f"{len(patch_linear(model, bits=bits))} of {count}"
     if activations is not None:
         try:
-            patch_activations(model, **activations)
+            patch_activations(model, **for_model(model, activations))
         except ValueError as err:
             if "nothing to patch" not in str(err):
                 raise

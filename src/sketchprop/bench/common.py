@@ -35,14 +35,20 @@ from sketchprop.sketches import SKETCHES, BlockSRHT, Sketch
 LEAN_PARTS = {"preset": "lean", "gelu_bits": 2, "floor_bits": None}
 
 
-def lean_parts(model: torch.nn.Module) -> dict:
-    """:data:`LEAN_PARTS` for ``model``: the GELU code's bits only where it has a GELU (a part
-    given explicitly that the model lacks is an error)."""
+def for_model(model: torch.nn.Module, activations: dict) -> dict:
+    """``patch_activations`` arguments for ``model``: ``gelu_bits`` only where it has a GELU (a
+    part given explicitly that the model lacks is an error)."""
     from sketchprop.activations import is_exact_gelu, is_tanh_gelu
 
-    if any(is_exact_gelu(m) or is_tanh_gelu(m) for m in model.modules()):
-        return dict(LEAN_PARTS)
-    return {k: v for k, v in LEAN_PARTS.items() if k != "gelu_bits"}
+    if activations.get("gelu_bits") is None or any(is_exact_gelu(m) or is_tanh_gelu(m)
+                                                    for m in model.modules()):
+        return dict(activations)
+    return {k: v for k, v in activations.items() if k != "gelu_bits"}
+
+
+def lean_parts(model: torch.nn.Module) -> dict:
+    """:data:`LEAN_PARTS` for ``model`` (:func:`for_model`)."""
+    return for_model(model, LEAN_PARTS)
 
 ROOT = REPO_ROOT  # the checkout
 RESULTS = ROOT / "results" / "bench"
