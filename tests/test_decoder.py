@@ -610,9 +610,9 @@ def test_optimal_tanh_gelu_code_is_fit_on_its_own_derivative():
 
 def test_rms_norm_check_tells_the_forms_apart():
     llama = tiny_llama(layers=1)
-    assert act.is_rms_norm(llama.model.norm)
-    gemma = tf.models.gemma.modeling_gemma.GemmaRMSNorm(32)  # weight * (1 + w): not this form
-    assert not act.is_rms_norm(gemma)
+    assert act.rms_norm_form(llama.model.norm) is False
+    assert act.rms_norm_form(tf.models.gemma.modeling_gemma.GemmaRMSNorm(32)) is True  # 1 + w
+    assert act.rms_norm_form(tf.models.t5.modeling_t5.T5LayerNorm(32)) is None  # its own cast
     assert act.is_gated_mlp(llama.model.layers[0].mlp)
     assert not act.is_gated_mlp(tiny_gpt2(layers=1).transformer.h[0].mlp)
 

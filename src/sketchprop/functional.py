@@ -43,6 +43,17 @@ from .sketches import ImportancePlan, Sketch
 __all__ = ["SketchedLinearFunction", "first_order", "seed_tensor", "sketched_linear"]
 
 
+def not_a_view(out: Tensor) -> Tensor:
+    """``out`` as a tensor of its own (same storage, no copy) where it is a view: ``F.linear`` on
+    a 3-D input with a bias returns a view of its 2-D product, and a custom Function's output that
+    is a view of a tensor made inside it cannot be changed in place (Falcon adds to its MLP's
+    output in place), where the plain layer's can."""
+    if not out._is_view():
+        return out
+    return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape,
+                                 out.stride())
+
+
 def first_order(backward):
     """``backward`` of an autograd Function whose saved tensors carry no graph, made to refuse a
     second derivative: under ``create_graph=True`` its gradients come out with a node that raises
@@ -82,7 +93,7 @@ class SketchedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sx, sketch: Sketch, k: int, seed: int, rows, tracker,
                 tstate=None, plan=None, hooks=(), quant=None, qvar=None):
-        out = F.linear(x, weight, bias)
+        out = not_a_view(F.linear(x, weight, bias))
         need_x, need_w, _ = ctx.needs_input_grad[:3]
         ctx.sketch, ctx.k, ctx.tracker, ctx.hooks, ctx.quant = sketch, k, tracker, hooks, quant
         ctx.x_shape = x.shape

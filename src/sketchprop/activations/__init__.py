@@ -19,8 +19,10 @@ part the model has); each module's docstring says what its part keeps and why:
 - :mod:`~sketchprop.activations.norms`: :class:`OutputLayerNorm`, :class:`CodedLayerNorm`
   (``layernorm=``),
   :class:`RMSNormFunction`, :class:`CodedRMSNorm` (``rmsnorm=``).
-- :mod:`~sketchprop.activations.mlp`: the SiLU-gated MLP's forwards, :class:`CodedGatedMLP`
-  (``mlp=``).
+- :mod:`~sketchprop.activations.mlp`: the gated MLP's forwards (SiLU or GELU gate, separate or
+  fused gate and up, found by :func:`gated_layout`), :class:`CodedGatedMLP` (``mlp=``).
+- :mod:`~sketchprop.activations.experts`: a mixture of experts held as stacked parameters, made
+  again in backward from its input or a code of it, :class:`CodedExperts` (``experts=``).
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
 - :mod:`~sketchprop.activations.floor`: :class:`Floor` (``floor_bits=``): whatever the parts
   above leave, on any model, as one b-bit code per saved storage.
@@ -47,6 +49,7 @@ from .attention import (
     register_attention,
 )
 from .dropout import DROPOUT, PackedDropout, SeededDropout
+from .experts import EXPERTS, CodedExperts, is_experts
 from .floor import Floor
 from .gelu import (
     DEFAULT_GELU_BITS,
@@ -63,11 +66,15 @@ from .gelu import (
 )
 from .loss import LMLossForward, chunked_lm_loss, lm_loss_refusal
 from .mlp import (
+    GATES,
     CodedGatedMLP,
     GatedDown,
     GatedFromInput,
-    SiluProduct,
+    GatedLayout,
+    GateProduct,
     frozen_projections,
+    gate_of,
+    gated_layout,
     gated_mlp_auto_forward,
     gated_mlp_forward,
     gated_mlp_input_forward,
@@ -82,6 +89,7 @@ from .norms import (
     RMSNormFunction,
     is_layernorm,
     is_rms_norm,
+    rms_norm_form,
     rms_norm_forward,
 )
 from .seeds import keep_mask
@@ -90,12 +98,14 @@ __all__ = [
     "ATTENTION",
     "ATTENTION_NAME",
     "CodeAttentionInput",
+    "CodedExperts",
     "CodedGatedMLP",
     "CodedLayerNorm",
     "CodedRMSNorm",
     "DEFAULT_GELU_BITS",
     "DEFAULT_GELU_CODE",
     "DROPOUT",
+    "EXPERTS",
     "Floor",
     "GELU_CODES",
     "LAYERNORM",
@@ -109,7 +119,9 @@ __all__ = [
     "PackedDropout",
     "RMSNormFunction",
     "SeededDropout",
-    "SiluProduct",
+    "GATES",
+    "GatedLayout",
+    "GateProduct",
     "chunked_lm_loss",
     "drop_attention_input",
     "forget_attention_check",
@@ -122,9 +134,13 @@ __all__ = [
     "has_projections",
     "has_rope_projections",
     "is_exact_gelu",
+    "is_experts",
+    "gate_of",
+    "gated_layout",
     "is_gated_mlp",
     "is_layernorm",
     "is_rms_norm",
+    "rms_norm_form",
     "is_tanh_gelu",
     "keep_attention_input",
     "keep_mask",

@@ -1,16 +1,24 @@
-r"""The SiLU-gated MLP (Llama's ``down(silu(gate(x)) * up(x))``) that keeps its gate and up
-outputs (``mlp="recompute"``) or only its input (``mlp="input"``) for backward.
+r"""The gated MLP (``down(act(gate(x)) * up(x))``: Llama's, Gemma's, Phi-3's, ModernBERT's GLU) that
+keeps its gate and up outputs (``mlp="recompute"``) or only its input (``mlp="input"``) for backward.
 
-**Gated MLP** (``mlp="recompute"``, :func:`gated_mlp_forward`): ``down(silu(gate(x)) * up(x))``
-keeps the gate and up projections' outputs and makes ``silu`` and the product again in backward
-(:class:`SiluProduct`); where ``down`` is a trainable ``nn.Linear``, its input (that product) is
+**Found by what it computes** (:func:`gated_layout`): a module whose children are two or three
+linear projections, one activation (SiLU, exact or tanh GELU, told apart by their values) and
+dropouts of ``p == 0``, and whose forward, on a random input with random weights, is
+``down(act(gate(x)) * up(x))`` for some assignment of its projections: separate gate and up
+(Llama's ``gate_proj``, ``up_proj``; Gemma's, GELU-gated) or one fused projection whose output's
+two halves are the gate and up (Phi-3's ``gate_up_proj``, gate first; ModernBERT's ``Wi``, its
+first half through the activation too), whatever the names.
+
+**Gated MLP** (``mlp="recompute"``, :func:`gated_mlp_forward`): ``down(act(g) * u)`` keeps the gate
+and up projections' outputs and makes ``act`` and the product again in backward
+(:class:`GateProduct`); where ``down`` is a trainable ``nn.Linear``, its input (that product) is
 made again too, for its weight gradient (:class:`GatedDown`). Exact: backward uses PyTorch's own
-``silu_backward``. ``mlp="input"`` (:func:`gated_mlp_input_forward`) keeps the MLP's input only
-and computes the gate and up projections again in backward, from the weights forward used
-(``nn.Linear``, ``RandomizedLinear``, peft LoRA layers of those without LoRA dropout, adapters on
-and not merged; taken in forward, so adapters switched or disabled before backward do not
-matter, and a weight changed in place raises; checked bit for bit on the first call and on
-every call while hooks are on the projections; any other MLP keeps the gate and up outputs):
+``silu_backward`` or ``gelu_backward``. ``mlp="input"`` (:func:`gated_mlp_input_forward`) keeps the
+MLP's input only and computes the gate and up projections again in backward, from the weights
+forward used (``nn.Linear``, ``RandomizedLinear``, peft LoRA layers of those without LoRA dropout,
+adapters on and not merged; taken in forward, so adapters switched or disabled before backward
+do not matter, and a weight changed in place raises; checked bit for bit on the first call and
+on every call while hooks are on the projections; any other MLP keeps the gate and up outputs):
 one activation of the hidden size instead of two of the MLP's width, for two more matmuls per
 MLP. Exact. ``mlp="auto"`` (the default, :func:`gated_mlp_auto_forward`) takes ``"input"`` where the
 gate and up weights are frozen (LoRA) and ``"recompute"`` where they train. Why, measured on a
@@ -23,16 +31,17 @@ gradients' own, compact's step took 1.24x exact's with ``"input"`` against 1.06x
 input kept as the ``b``-bit code that its RMSNorm filed (or one made here), the same code that the
 gate and up projections' ``b``-bit codes are: nothing of the MLP's width is kept but the down
 projection's own input code. Backward makes ``g~ = gate(x~)`` and ``u~ = up(x~)`` from the decoded
-input ``x~``: ``u~`` is unbiased, but ``silu(g~)`` and ``silu'(g~)`` are not linear in the code,
+input ``x~``: ``u~`` is unbiased, but ``act(g~)`` and ``act'(g~)`` are not linear in the code,
 so the gradients reaching the gate and up projections carry a bias of second order in the
 rounding (measured, with the other coded parts, by the lean benchmarks).
 """
 
 from __future__ import annotations
 
-import inspect
-import re
+import itertools
 import warnings
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,49 +49,211 @@ from torch import Tensor, nn
 
 from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
-from ..functional import first_order
+from ..functional import first_order, not_a_view
 from ..rng import SeedStream
 from .projections import _autocast_dtype, _linear_weights, forward_hooks_on
 
+#: The gates a gated MLP may use: each function and its backward (PyTorch's own), by name.
+GATES = {
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "gelu": (F.gelu, partial(torch.ops.aten.gelu_backward, approximate="none")),
+    "gelu_tanh": (partial(F.gelu, approximate="tanh"),
+                  partial(torch.ops.aten.gelu_backward, approximate="tanh")),
+}
 
-class SiluProduct(torch.autograd.Function):
-    """``silu(g) * u``, keeping ``g`` and ``u`` (SiLU's output and the product are made again in
-    backward). Gradients are autograd's: the same ``silu_backward`` on the same values."""
+
+def gate_of(module: nn.Module) -> str | None:
+    """The name in :data:`GATES` of the function a parameter-free ``module`` computes, told by
+    its values on a random input; None where it is none of them."""
+    if list(module.parameters()) or list(module.children()):
+        return None
+    z = 4 * torch.randn(256, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            out = module(z)
+    except Exception:  # not a function of one tensor
+        return None
+    return next((name for name, (f, _) in GATES.items()
+                 if isinstance(out, Tensor) and torch.equal(out, f(z))), None)
+
+
+@dataclass(frozen=True)
+class GatedLayout:
+    """How a gated MLP computes (:func:`gated_layout`): its children's names (``gate`` and ``up``
+    the same where one projection is fused, ``half`` then the index of the gate's half of its
+    output; None where they are separate), its gate's name in :data:`GATES`, and its dropouts."""
+
+    gate: str
+    up: str
+    down: str
+    act: str
+    gate_fn: str
+    half: int | None = None
+    drops: tuple[str, ...] = ()
+
+    def projections(self, mlp: nn.Module) -> list[nn.Module]:
+        """The gate and up projections (one, where fused)."""
+        return [getattr(mlp, n) for n in dict.fromkeys((self.gate, self.up))]
+
+    def gate_up(self, mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The gate and up outputs, by the MLP's own projection modules."""
+        if self.half is None:
+            return getattr(mlp, self.gate)(x), getattr(mlp, self.up)(x)
+        return _halves(getattr(mlp, self.gate)(x), self.half)
+
+
+def _halves(y: Tensor, half: int) -> tuple[Tensor, Tensor]:
+    halves = y.chunk(2, dim=-1)
+    return halves[half], halves[1 - half]
+
+
+def _features(module: nn.Module) -> tuple[int, int] | None:
+    shape = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    return shape if all(isinstance(n, int) for n in shape) else None
+
+
+def _candidates(mlp: nn.Module) -> list[GatedLayout]:
+    """The layouts ``mlp``'s children could have, by their kinds and shapes alone."""
+    if list(mlp.named_parameters(recurse=False)):
+        return []
+    children = dict(mlp.named_children())
+    shapes = {n: f for n, c in children.items() if (f := _features(c)) is not None}
+    drops = tuple(n for n, c in children.items() if isinstance(c, nn.Dropout))
+    rest = [n for n in children if n not in shapes and n not in drops]
+    if len(shapes) not in (2, 3) or len(rest) != 1 \
+            or any(children[n].p != 0 for n in drops):
+        return []
+    gate_fn = gate_of(children[rest[0]])
+    if gate_fn is None:
+        return []
+    found = []
+    for names in itertools.permutations(shapes):
+        (h, f), *_, (f_down, h_down) = (shapes[n] for n in names)
+        if h != h_down:
+            continue
+        if len(names) == 3 and shapes[names[1]] == (h, f) and f == f_down:
+            found.append(GatedLayout(names[0], names[1], names[2], rest[0], gate_fn, None, drops))
+        elif len(names) == 2 and f == 2 * f_down:
+            found += [GatedLayout(names[0], names[0], names[1], rest[0], gate_fn, half, drops)
+                      for half in (0, 1)]
+    return found
+
+
+def _probe(mlp: nn.Module, layouts: list[GatedLayout]) -> GatedLayout | None:
+    """The one of ``layouts`` whose composition is ``mlp``'s forward bit for bit, on a random
+    input with random weights (its own untouched), every module in eval mode for the probe (so
+    that a LoRA dropout draws nothing); None where none is."""
+    g = torch.Generator().manual_seed(0)
+    params = dict(mlp.named_parameters())
+    if not params:
+        return None
+    p0 = next(iter(params.values()))
+
+    def shape(name: str, p: Tensor) -> tuple[int, ...]:
+        # A linear layer's from its features: a sharded weight (FSDP1's view of its shard,
+        # outside forward) has not its own.
+        owner, _, leaf = name.rpartition(".")
+        layer = mlp.get_submodule(owner)
+        if isinstance(layer, nn.Linear) and leaf in ("weight", "bias"):
+            return (layer.out_features, layer.in_features)[:2 if leaf == "weight" else 1]
+        return tuple(p.shape)
+
+    random = {n: torch.randn(shape(n, p), generator=g).to(p0.device, p.dtype)
+              for n, p in params.items()}
+    modes = {m: m.training for m in mlp.modules()}
+
+    def call(name: str, x: Tensor) -> Tensor:
+        child = getattr(mlp, name)
+        return torch.func.functional_call(
+            child, {k[len(name) + 1:]: v for k, v in random.items() if k.startswith(name + ".")},
+            (x,))
+
+    try:
+        mlp.eval()
+        with torch.no_grad():
+            x = torch.randn(3, _features(getattr(mlp, layouts[0].gate))[0],
+                            generator=g).to(p0.device, p0.dtype)
+            want = torch.func.functional_call(mlp, random, (x,))
+            for layout in layouts:
+                if layout.half is None:
+                    gate, up = call(layout.gate, x), call(layout.up, x)
+                else:
+                    gate, up = _halves(call(layout.gate, x), layout.half)
+                got = call(layout.down, GATES[layout.gate_fn][0](gate) * up)
+                if isinstance(want, Tensor) and torch.equal(got, want):
+                    return layout
+    except Exception:  # a module that cannot run on this input is not one we know
+        return None
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return None
+
+
+_LAYOUT = "_sketchprop_gated_layout"
+
+
+def gated_layout(module: nn.Module) -> GatedLayout | None:
+    """How ``module`` computes, if it is a gated MLP (module docstring, "Found by what it
+    computes"); None where it is not. Kept in the module once found."""
+    layout = module.__dict__.get(_LAYOUT)
+    if layout is None:
+        candidates = _candidates(module)
+        layout = _probe(module, candidates) if candidates else None
+        if layout is not None:
+            module.__dict__[_LAYOUT] = layout
+    return layout
+
+
+def is_gated_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a gated MLP, ``down(act(gate(x)) * up(x))`` with a SiLU or GELU
+    gate, separate or fused gate and up projections (:func:`gated_layout`)."""
+    return gated_layout(module) is not None
+
+
+class GateProduct(torch.autograd.Function):
+    """``act(g) * u``, keeping ``g`` and ``u`` (the gate's output and the product are made again in
+    backward). Gradients are autograd's: the same ``silu_backward`` or ``gelu_backward`` on the
+    same values."""
 
     @staticmethod
-    def forward(ctx, g: Tensor, u: Tensor) -> Tensor:
+    def forward(ctx, g: Tensor, u: Tensor, gate_fn: str) -> Tensor:
+        ctx.gate_fn = gate_fn
         ctx.save_for_backward(g, u)
-        return F.silu(g) * u
+        return GATES[gate_fn][0](g) * u
 
     @staticmethod
     @first_order
     def backward(ctx, dy: Tensor):
         g, u = ctx.saved_tensors
-        dg = torch.ops.aten.silu_backward(dy * u, g) if ctx.needs_input_grad[0] else None
-        du = dy * F.silu(g) if ctx.needs_input_grad[1] else None
-        return dg, du
+        f, df = GATES[ctx.gate_fn]
+        dg = df(dy * u, g) if ctx.needs_input_grad[0] else None
+        du = dy * f(g) if ctx.needs_input_grad[1] else None
+        return dg, du, None
 
 
 class GatedDown(torch.autograd.Function):
-    """``F.linear(silu(g) * u, weight, bias)``, keeping ``g``, ``u`` and the weight: the down
+    """``F.linear(act(g) * u, weight, bias)``, keeping ``g``, ``u`` and the weight: the down
     projection's input is made again in backward for its weight gradient. Autocast's casts are
     done by hand (``dtype``: the matmul's dtype), so backward computes in the forward's dtypes."""
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor, weight: Tensor, bias: Tensor | None,
-                dtype: torch.dtype) -> Tensor:
-        ctx.dtype = dtype
+                dtype: torch.dtype, gate_fn: str) -> Tensor:
+        ctx.dtype, ctx.gate_fn = dtype, gate_fn
         ctx.save_for_backward(g, u, weight)
         ctx.has_bias = bias is not None
         with torch.autocast(g.device.type, enabled=False):
-            h = (F.silu(g) * u).to(dtype)
-            return F.linear(h, weight.to(dtype), None if bias is None else bias.to(dtype))
+            h = (GATES[gate_fn][0](g) * u).to(dtype)
+            return not_a_view(F.linear(h, weight.to(dtype),
+                                       None if bias is None else bias.to(dtype)))
 
     @staticmethod
     @first_order
     def backward(ctx, dy: Tensor):
         g, u, weight = ctx.saved_tensors
-        s = F.silu(g)
+        f, df = GATES[ctx.gate_fn]
+        s = f(g)
         h = (s * u).to(ctx.dtype)
         dy = dy.to(ctx.dtype)
         dw = db = None
@@ -91,38 +262,9 @@ class GatedDown(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype)
         dh = dy.matmul(weight.to(ctx.dtype)).to(g.dtype)
-        dg = torch.ops.aten.silu_backward(dh * u, g) if ctx.needs_input_grad[0] else None
+        dg = df(dh * u, g) if ctx.needs_input_grad[0] else None
         du = dh * s if ctx.needs_input_grad[1] else None
-        return dg, du, dw, db, None
-
-
-_GATED = re.compile(r"self\.down_proj\(\s*self\.act_fn\(\s*self\.gate_proj\(\s*(\w+)\s*\)\s*\)"
-                    r"\s*\*\s*self\.up_proj\(\s*\1\s*\)\s*\)")
-
-
-def _is_silu(module) -> bool:
-    if type(module) is nn.SiLU:
-        return True
-    try:
-        from transformers.activations import SiLUActivation
-    except ImportError:  # pragma: no cover
-        return False
-    return type(module) is SiLUActivation
-
-
-def is_gated_mlp(module: nn.Module) -> bool:
-    """Whether ``module`` is a SiLU-gated MLP of Llama's form: ``gate_proj``, ``up_proj``,
-    ``down_proj`` and a SiLU ``act_fn``, its forward ``down_proj(act_fn(gate_proj(x)) *
-    up_proj(x))`` (read from its class's source)."""
-    if not (all(isinstance(getattr(module, n, None), nn.Module)
-                for n in ("gate_proj", "up_proj", "down_proj"))
-            and _is_silu(getattr(module, "act_fn", None))):
-        return False
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return False
-    return _GATED.search(source) is not None
+        return dg, du, dw, db, None, None
 
 
 _INPUT_CHECKED = "_sketchprop_projections_checked"
@@ -180,22 +322,32 @@ def _plan_tensors(plan: tuple) -> list[Tensor]:
                                     for t in (*_plan_tensors(a), *_plan_tensors(b)))]
 
 
+def _plans_value(plans: tuple, half: int | None, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The gate and up outputs the projections' plans give for ``x``: one plan each, or one fused
+    plan whose output's ``half`` is the gate."""
+    if half is None:
+        return tuple(_plan_value(plan, x) for plan in plans)
+    return _halves(_plan_value(plans[0], x), half)
+
+
 class GatedFromInput(torch.autograd.Function):
-    """``silu(g) * u`` for ``g = gate(x)``, ``u = up(x)``, keeping ``x`` only: backward computes
-    ``g`` and ``u`` again from ``x`` by the plans taken in forward (:func:`_projection_plan`,
-    under the forward's autocast). The plans' weights are saved too (no copy), so a change made
-    to them in place between forward and backward raises, as it does for any saved tensor. The
-    gradients reach ``gate`` and ``up`` through the graphs their own forward built."""
+    """``act(g) * u`` for ``g = gate(x)``, ``u = up(x)``, keeping ``x`` only: backward computes
+    ``g`` and ``u`` again from ``x`` by the plans taken in forward (:func:`_projection_plan`, one
+    per projection, one where fused with the gate's ``half``; under the forward's autocast). The
+    plans' weights are saved too (no copy), so a change made to them in place between forward and
+    backward raises, as it does for any saved tensor. The gradients reach the projections through
+    the graphs their own forward built."""
 
     @staticmethod
-    def forward(ctx, g: Tensor, u: Tensor, x: Tensor, plans: tuple,
-                autocast: torch.dtype | None, code: SharedCode | None = None) -> Tensor:
-        ctx.plans, ctx.autocast = plans, autocast
+    def forward(ctx, g: Tensor, u: Tensor, x: Tensor, plans: tuple, half: int | None,
+                gate_fn: str, autocast: torch.dtype | None,
+                code: SharedCode | None = None) -> Tensor:
+        ctx.plans, ctx.half, ctx.gate_fn, ctx.autocast = plans, half, gate_fn, autocast
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
         # With a code of x (mlp="coded"), its payload in x's place.
         ctx.save_for_backward(x.detach() if code is None else code.payload,
                               *(t for plan in plans for t in _plan_tensors(plan)))
-        return F.silu(g) * u
+        return GATES[gate_fn][0](g) * u
 
     @staticmethod
     @first_order
@@ -206,22 +358,24 @@ class GatedFromInput(torch.autograd.Function):
             x = SharedCode(x, spec).decode(dtype).view(shape)
         with torch.no_grad(), torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
                                              enabled=ctx.autocast is not None):
-            g, u = (_plan_value(plan, x) for plan in ctx.plans)
-        dg = torch.ops.aten.silu_backward(dy * u, g) if ctx.needs_input_grad[0] else None
-        du = dy * F.silu(g) if ctx.needs_input_grad[1] else None
-        return dg, du, None, None, None, None
+            g, u = _plans_value(ctx.plans, ctx.half, x)
+        f, df = GATES[ctx.gate_fn]
+        dg = df(dy * u, g) if ctx.needs_input_grad[0] else None
+        du = dy * f(g) if ctx.needs_input_grad[1] else None
+        return dg, du, None, None, None, None, None, None
 
 
-def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor, plans: tuple) -> bool:
+def _recomputable(mlp: nn.Module, layout: GatedLayout, x: Tensor, g: Tensor, u: Tensor,
+                  plans: tuple) -> bool:
     """Whether ``mlp``'s gate and up outputs are made again from ``x`` by ``plans``, bit for bit:
     checked on the first call (one extra projection) and on every call while hooks may change the
     outputs; a module that fails keeps g and u from then on, with a warning."""
     checked = mlp.__dict__.get(_INPUT_CHECKED)
     if checked is None or (checked and forward_hooks_on(
-            m for proj in (mlp.gate_proj, mlp.up_proj) for m in proj.modules())):
+            m for proj in layout.projections(mlp) for m in proj.modules())):
         with torch.no_grad():
-            checked = all(torch.equal(_plan_value(plan, x), t)
-                          for plan, t in zip(plans, (g, u), strict=True))
+            checked = all(torch.equal(a, b) for a, b in
+                          zip(_plans_value(plans, layout.half, x), (g, u), strict=True))
         mlp.__dict__[_INPUT_CHECKED] = checked
         if not checked:
             warnings.warn(f"{type(mlp).__name__}'s gate and up outputs are not its projections of "
@@ -229,16 +383,27 @@ def _recomputable(mlp: nn.Module, x: Tensor, g: Tensor, u: Tensor, plans: tuple)
     return checked
 
 
+def _plans(mlp: nn.Module, layout: GatedLayout) -> tuple | None:
+    plans = tuple(_projection_plan(p) for p in layout.projections(mlp))
+    return None if None in plans else plans
+
+
 def keeps_input(mlp: nn.Module) -> bool:
     """Whether ``mlp="auto"`` keeps this gated MLP's input now: its gate and up weights frozen and
-    both projections plain or LoRA linear layers that can be made again (no LoRA dropout, adapters
+    its projections plain or LoRA linear layers that can be made again (no LoRA dropout, adapters
     on and not merged)."""
-    return frozen_projections(mlp) and None not in (_projection_plan(mlp.gate_proj),
-                                                    _projection_plan(mlp.up_proj))
+    return frozen_projections(mlp) and _plans(mlp, gated_layout(mlp)) is not None
 
 
 def forget_mlp_check(module: nn.Module) -> None:
     module.__dict__.pop(_INPUT_CHECKED, None)
+    module.__dict__.pop(_LAYOUT, None)
+
+
+def _dropping(mlp: nn.Module, layout: GatedLayout) -> bool:
+    """Whether a dropout of the MLP draws now (its ``p`` set above 0 after patching): then the
+    module's own forward runs."""
+    return any(getattr(mlp, n).p != 0 and getattr(mlp, n).training for n in layout.drops)
 
 
 @eager_island
@@ -249,15 +414,19 @@ def gated_mlp_input_forward(self: nn.Module, x: Tensor, code: SharedCode | None 
     cannot be made again bit for bit, :func:`gated_mlp_forward`'s. With ``code`` (a code of ``x``
     at its ``version``: :class:`CodedGatedMLP`), it keeps the code and backward computes them from
     the decoded input, unless ``x`` changed in place since (a hook on a projection): then ``x``."""
-    g, u = self.gate_proj(x), self.up_proj(x)
+    layout = gated_layout(self)
+    if _dropping(self, layout):
+        return type(self).forward(self, x)
+    g, u = layout.gate_up(self, x)
     if code is not None and x._version != version:
         code = None
     if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
-        return _gated_rest(self, g, u)
-    plans = (_projection_plan(self.gate_proj), _projection_plan(self.up_proj))
-    if None in plans or not _recomputable(self, x, g, u, plans):
-        return _gated_rest(self, g, u)
-    return self.down_proj(GatedFromInput.apply(g, u, x, plans, _autocast_dtype(x), code))
+        return _gated_rest(self, layout, g, u)
+    plans = _plans(self, layout)
+    if plans is None or not _recomputable(self, layout, x, g, u, plans):
+        return _gated_rest(self, layout, g, u)
+    return getattr(self, layout.down)(GatedFromInput.apply(
+        g, u, x, plans, layout.half, layout.gate_fn, _autocast_dtype(x), code))
 
 
 class CodedGatedMLP:
@@ -265,7 +434,7 @@ class CodedGatedMLP:
     code of the MLP's input in place of the input: the one filed under it (the RMSNorm's, under
     ``rmsnorm="coded"``) or one made and filed here, before the gate and up projections run, so that
     their ``bits``-bit codes are the same one (:mod:`sketchprop.codes`). Backward computes the gate
-    and up outputs from the decoded input: not exact (SiLU is not linear; module docstring,
+    and up outputs from the decoded input: not exact (the gate is not linear; module docstring,
     "Coded"). Float32 training with gradients only; elsewhere :func:`gated_mlp_forward`'s. ``name``
     (the module's qualified name) seeds the rounding's stream. A class, so that
     ``torch.save(model)`` can pickle it."""
@@ -283,21 +452,24 @@ class CodedGatedMLP:
         return gated_mlp_input_forward(mlp, x, code, x._version)
 
 
-def _gated_rest(self: nn.Module, g: Tensor, u: Tensor) -> Tensor:
+def _gated_rest(self: nn.Module, layout: GatedLayout, g: Tensor, u: Tensor) -> Tensor:
+    down = getattr(self, layout.down)
     if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
-        return self.down_proj(self.act_fn(g) * u)
-    down = self.down_proj
+        return down(GATES[layout.gate_fn][0](g) * u)
     if type(down) is nn.Linear and down.weight.requires_grad:  # decided per call: patch_linear
         dtype = _autocast_dtype(g) or torch.promote_types(g.dtype, u.dtype)  # may swap it later
-        return GatedDown.apply(g, u, down.weight, down.bias, dtype)
-    return down(SiluProduct.apply(g, u))
+        return GatedDown.apply(g, u, down.weight, down.bias, dtype, layout.gate_fn)
+    return down(GateProduct.apply(g, u, layout.gate_fn))
 
 
 @eager_island
 def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    """The forward :func:`~sketchprop.patch_activations` gives a SiLU-gated MLP (bound to it):
-    the model's own arithmetic, keeping the gate and up outputs only (module docstring)."""
-    return _gated_rest(self, self.gate_proj(x), self.up_proj(x))
+    """The forward :func:`~sketchprop.patch_activations` gives a gated MLP (bound to it): the
+    model's own arithmetic, keeping the gate and up outputs only (module docstring)."""
+    layout = gated_layout(self)
+    if _dropping(self, layout):
+        return type(self).forward(self, x)
+    return _gated_rest(self, layout, *layout.gate_up(self, x))
 
 
 def _full_weight(module: nn.Module) -> Tensor | None:
@@ -310,7 +482,7 @@ def _full_weight(module: nn.Module) -> Tensor | None:
 
 def frozen_projections(mlp: nn.Module) -> bool:
     """Whether a gated MLP's gate and up projections' full-size weights are frozen (LoRA)."""
-    weights = (_full_weight(mlp.gate_proj), _full_weight(mlp.up_proj))
+    weights = [_full_weight(p) for p in gated_layout(mlp).projections(mlp)]
     return all(w is not None and not w.requires_grad for w in weights)
 
 

@@ -32,17 +32,21 @@ largest output; on MiniLM these are the same columns).
 
 **RMSNorm** (``rmsnorm="compact"``, :class:`RMSNormFunction`): keeps its input and one float32
 statistic per row (``1 / rms``); backward makes the normalised input again. Exact. Applied to
-modules named ``*RMSNorm`` that compute ``weight * (x / rms(x))`` (checked on a random input
-and weight before anything changes; Gemma's ``(1 + weight)`` form is left as it is).
+any module with one 1-D weight and a float ``eps`` (or ``variance_epsilon``) that computes one
+of the two forms transformers' models use, whatever its name: Llama's ``weight * (x / rms(x))``,
+cast to the input's dtype before the product, or Gemma's ``((x / rms(x)) * (1 + weight))``, cast
+after it (:func:`rms_norm_form`, checked on a random input and weight, in float32 and with a
+bfloat16 input, before anything changes; T5's, which casts to the weight's dtype, is neither).
 
 **Coded RMSNorm** (:class:`CodedRMSNorm`, ``rmsnorm="coded"``, the lean preset): as LayerNorm's
 "Coded", for RMSNorm: the output is kept as a ``b``-bit code, filed for the next layers (Q, K, V
 and the attention's recompute after ``input_layernorm``; gate and up and the gated MLP's recompute
 after ``post_attention_layernorm``), with ``1 / rms`` per row, and backward makes the normalised
-input again as ``y~ / weight``. The weight's gradient is linear in the code: unbiased; the input's
-last term, ``n~_i mean_j(dn_j n~_j)``, is quadratic: a bias of ``Var(e / w) / n`` of the element's
-first term, as LayerNorm's. Columns with ``|weight| < 0.01``, or below a tenth of the largest
-``|weight|`` in their group of columns, keep their input.
+input again as ``y~ / weight`` (``y~ / (1 + weight)`` in Gemma's form). The weight's gradient is
+linear in the code: unbiased; the input's last term, ``n~_i mean_j(dn_j n~_j)``, is quadratic: a
+bias of ``Var(e / w) / n`` of the element's first term, as LayerNorm's. Columns whose scale
+(``|weight|``, or ``|1 + weight|``) is below 0.01, or below a tenth of the largest in their group
+of columns, keep their input.
 Float32 only (a half precision model keeps the compact path).
 """
 
@@ -107,20 +111,20 @@ KEPT = "_sketchprop_kept_columns"
 
 
 def _kept_columns(module: nn.Module, bias: Tensor | None,
-                  group: int | None = None) -> Tensor | None:
-    """Indices of the columns of ``module``'s norm that keep their input (None: none): those below
-    the floor, and where the output is coded in groups of ``group`` columns, those whose
-    ``|weight|`` is below a tenth of the largest in their group. Computed again only when
-    ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
+                  group: int | None = None, offset: float = 0.0) -> Tensor | None:
+    """Indices of the columns of ``module``'s norm that keep their input (None: none): those whose
+    scale ``|weight + offset|`` is below the floor, and where the output is coded in groups of
+    ``group`` columns, those below a tenth of the largest in their group. Computed again only
+    when ``gamma`` or ``beta`` changed (one host sync per optimizer step)."""
     weight = module.weight
     if weight is None:
         return None
     key = (weight.data_ptr(), weight._version, None if bias is None else
-           (bias.data_ptr(), bias._version), group)
+           (bias.data_ptr(), bias._version), group, offset)
     cached = module.__dict__.get(KEPT)
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            w = weight.abs().reshape(-1)
+            w = (weight + offset).abs().reshape(-1)
             floor = _GAMMA_FLOOR * (1 + (0 if bias is None else bias.abs().reshape(-1)))
             small = w < floor
             if group is not None:
@@ -251,14 +255,18 @@ def is_layernorm(module: nn.Module) -> bool:
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Llama's RMSNorm, ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``, keeping
-    ``x`` and the float32 ``rsqrt`` per row; backward makes the normalised input again."""
+    """An RMSNorm keeping its input ``x`` and the float32 ``rsqrt`` per row; backward makes the
+    normalised input ``n = x.float() * rsqrt(mean(x^2) + eps)`` again. ``offset=False``: Llama's
+    ``weight * n.to(x.dtype)``; ``offset=True``: Gemma's ``(n * (1 + weight.float())).to(x.dtype)``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: bool = False) -> Tensor:
         xf = x.to(torch.float32)
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.offset = offset
         ctx.save_for_backward(x, weight, r)
+        if offset:
+            return (xf * r * (1.0 + weight.float())).to(x.dtype)
         return weight * (xf * r).to(x.dtype)
 
     @staticmethod
@@ -268,31 +276,34 @@ class RMSNormFunction(torch.autograd.Function):
         xf = x.to(torch.float32)
         dw = None
         if ctx.needs_input_grad[1]:
-            n = (xf * r).to(x.dtype)
-            dw = (dy * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+            n = xf * r if ctx.offset else (xf * r).to(x.dtype)
+            dw = ((dy.float() if ctx.offset else dy) * n).reshape(-1, n.shape[-1]).sum(0)
+            dw = dw.to(weight.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
-            dxhat = (dy * weight).to(x.dtype).to(torch.float32)
+            dxhat = dy.float() * (1.0 + weight.float()) if ctx.offset else \
+                (dy * weight).to(x.dtype).to(torch.float32)
             # d/dx of x * r(x), r = (mean(x^2) + eps)^-1/2: dxhat * r - x r^3 mean(dxhat * x).
             dot = (dxhat * xf).mean(-1, keepdim=True)
             dx = (dxhat * r - xf * r.pow(3) * dot).to(x.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class _CodedRMSNormFunction(torch.autograd.Function):
     """:class:`RMSNormFunction` on a 2-D float32 ``x`` that saves a ``bits``-bit code of its
     output (a :class:`~sketchprop.codes.SharedCode`, appended to ``made`` for the caller to file),
     the ``rsqrt`` per row and the input columns listed in ``kept``, not the input: backward makes
-    the normalised input again as ``y~ / weight``."""
+    the normalised input again as ``y~ / s``, ``s`` the scale (``weight``, or ``1 + weight``
+    where ``offset`` is 1)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, kept: Tensor | None, bits: int,
-                group: int, seed: int, made: list) -> Tensor:
+                group: int, seed: int, made: list, offset: float = 0.0) -> Tensor:
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        y = weight * (x * r)
+        y = x * r * (1.0 + weight) if offset else weight * (x * r)
         payload, spec, _ = quantize(y, bits, group, seed)
         made.append(SharedCode(payload, spec))
-        ctx.spec = spec
+        ctx.spec, ctx.offset = spec, offset
         ctx.save_for_backward(payload, weight, r, kept,
                               None if kept is None else x.index_select(-1, kept))
         return y
@@ -301,16 +312,17 @@ class _CodedRMSNormFunction(torch.autograd.Function):
     @first_order
     def backward(ctx, dy: Tensor):
         payload, weight, r, kept, cols = ctx.saved_tensors
-        n = SharedCode(payload, ctx.spec).decode().mul_(weight.reciprocal())
+        scale = weight + ctx.offset
+        n = SharedCode(payload, ctx.spec).decode().mul_(scale.reciprocal())
         if kept is not None:
             n.index_copy_(-1, kept, cols * r)
         dw = (dy * n).sum(0) if ctx.needs_input_grad[1] else None
         dx = None
         if ctx.needs_input_grad[0]:
-            dn = dy * weight
+            dn = dy * scale
             # As RMSNormFunction's, with x r = n: r (dn - n mean(dn n)).
             dx = (dn - n * (dn * n).mean(-1, keepdim=True)).mul_(r)
-        return dx, dw, *[None] * 6
+        return dx, dw, *[None] * 7
 
 
 def _rms_eps(module: nn.Module) -> float | None:
@@ -321,26 +333,54 @@ def _rms_eps(module: nn.Module) -> float | None:
     return None
 
 
-def is_rms_norm(module: nn.Module) -> bool:
-    """Whether ``module`` is an RMSNorm of Llama's form: a class named ``*RMSNorm`` with a 1-D
-    ``weight``, a float ``variance_epsilon`` (or ``eps``), no other parameters or submodules, whose
-    output on a random input and a random weight is :class:`RMSNormFunction`'s (checked here,
-    without changing the module)."""
+#: Where an RMSNorm's form is kept once found (in the module's ``__dict__``; unpatching drops it).
+_FORM = "_sketchprop_rms_form"
+
+
+def _find_form(module: nn.Module) -> bool | None:
     w = getattr(module, "weight", None)
     eps = _rms_eps(module)
-    if not (type(module).__name__.endswith("RMSNorm") and isinstance(w, nn.Parameter)
-            and w.dim() == 1 and eps is not None and len(list(module.parameters())) == 1
-            and not list(module.children())):
-        return False
+    if not (isinstance(w, nn.Parameter) and w.dim() == 1 and eps is not None
+            and len(list(module.parameters())) == 1 and not list(module.children())):
+        return None
+    # At a width of its own: the forms do not depend on it, and a sharded weight (FSDP1's view
+    # of its shard, outside forward) has none to read.
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, w.shape[0], generator=g).to(w.device)
-    weight = torch.randn(w.shape[0], generator=g).to(w.device)
+    x = torch.randn(3, 48, generator=g).to(w.device)
+    weight = torch.randn(48, generator=g).to(w.device)
     with torch.no_grad():
-        try:
-            got = torch.func.functional_call(module, {"weight": weight}, (x,))
-        except Exception:  # a norm that cannot run on this input is not one we know
-            return False
-        return torch.equal(got, RMSNormFunction.apply(x, weight, eps))
+        for offset in (False, True):
+            try:  # float32, then a bfloat16 input: the cast's place tells the forms apart
+                if all(torch.equal(torch.func.functional_call(module, {"weight": weight}, (t,)),
+                                   RMSNormFunction.apply(t, weight, eps, offset))
+                       for t in (x, x.bfloat16())):
+                    return offset
+            except Exception:  # a norm that cannot run on this input is not one we know
+                return None
+    return None
+
+
+def rms_norm_form(module: nn.Module) -> bool | None:
+    """How ``module`` computes, if it is an RMSNorm: False for Llama's form, True for Gemma's
+    ``(1 + weight)`` one (module docstring, "RMSNorm"), None where it is neither. Found from what
+    it computes on a random input and weight (its own weight untouched), whatever its name; kept
+    in the module once found."""
+    form = module.__dict__.get(_FORM)
+    if form is None:
+        form = _find_form(module)
+        if form is not None:
+            module.__dict__[_FORM] = form
+    return form
+
+
+def forget_rms_form(module: nn.Module) -> None:
+    module.__dict__.pop(_FORM, None)
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is an RMSNorm of one of the forms :class:`RMSNormFunction` computes
+    (:func:`rms_norm_form`)."""
+    return rms_norm_form(module) is not None
 
 
 @eager_island
@@ -348,7 +388,7 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward :func:`~sketchprop.patch_activations` gives an RMSNorm (bound to it)."""
     if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
         return type(self).forward(self, x)
-    return RMSNormFunction.apply(x, self.weight, _rms_eps(self))
+    return RMSNormFunction.apply(x, self.weight, _rms_eps(self), rms_norm_form(self))
 
 
 class CodedRMSNorm:
@@ -372,9 +412,11 @@ class CodedRMSNorm:
         if not (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
             return type(module).forward(module, x)
         made: list = []
+        offset = float(rms_norm_form(module))
         y = _CodedRMSNormFunction.apply(x.reshape(-1, x.shape[-1]), module.weight,
-                                        _rms_eps(module), _kept_columns(module, None, self.group),
-                                        self.bits,
-                                        self.group, self.seeds.next(), made).view(x.shape)
+                                        _rms_eps(module),
+                                        _kept_columns(module, None, self.group, offset),
+                                        self.bits, self.group, self.seeds.next(), made,
+                                        offset).view(x.shape)
         file_code(y, made[0])
         return y

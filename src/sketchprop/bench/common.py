@@ -36,12 +36,16 @@ LEAN_PARTS = {"preset": "lean", "gelu_bits": 2, "floor_bits": None}
 
 
 def for_model(model: torch.nn.Module, activations: dict) -> dict:
-    """``patch_activations`` arguments for ``model``: ``gelu_bits`` only where it has a GELU (a
-    part given explicitly that the model lacks is an error)."""
-    from sketchprop.activations import is_exact_gelu, is_tanh_gelu
+    """``patch_activations`` arguments for ``model``: ``gelu_bits`` only where it has a GELU that
+    the GELU part takes (not a gated MLP's, where the MLP part is on; a part given explicitly
+    that the model lacks is an error)."""
+    from sketchprop.activations import gated_layout, is_exact_gelu, is_tanh_gelu
 
-    if activations.get("gelu_bits") is None or any(is_exact_gelu(m) or is_tanh_gelu(m)
-                                                    for m in model.modules()):
+    gates = set() if activations.get("mlp") == "stored" else {
+        id(getattr(m, layout.act)) for m in model.modules()
+        if (layout := gated_layout(m)) is not None}
+    if activations.get("gelu_bits") is None or any(
+            id(m) not in gates and (is_exact_gelu(m) or is_tanh_gelu(m)) for m in model.modules()):
         return dict(activations)
     return {k: v for k, v in activations.items() if k != "gelu_bits"}
 

@@ -19,7 +19,7 @@ from ..activations.attention_models import (
     _attention_refusal,
 )
 from ..activations.mlp import forget_mlp_check
-from ..activations.norms import KEPT
+from ..activations.norms import KEPT, forget_rms_form
 from ..quantize import BITS, DEFAULT_GROUP, check_group
 from ..wrappers import _transformers_owner, bound, give_forwards, model_to_patch, take_forwards
 from .linear import _select, _swap
@@ -63,10 +63,12 @@ LM_LOSS = ("stored", "chunked")
 #: the codes the next layers share, GELU's derivative at 4 bits, and the generic floor at 4 bits
 #: for the rest: the measured choice, docs/library.md "Its bits and the GELU code").
 PRESETS = {"compact": {}, "lean": {"layernorm": "coded", "attention": "coded", "rmsnorm": "coded",
-                                   "mlp": "coded", "gelu_bits": 4, "floor_bits": 4}}
+                                   "mlp": "coded", "experts": "coded", "gelu_bits": 4,
+                                   "floor_bits": 4}}
 #: The value that turns each part of :func:`patch_activations` off.
 PARTS_OFF = {"dropout": "stored", "attention": "stored", "gelu_bits": None, "layernorm": "stored",
-             "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored", "floor_bits": None}
+             "mlp": "stored", "rmsnorm": "stored", "lm_loss": "stored", "floor_bits": None,
+             "experts": "stored"}
 
 
 def _patterns(targets, exclude) -> str:
@@ -85,6 +87,7 @@ def patch_activations(
     rmsnorm: str = _Default("compact"),
     lm_loss: str = _Default("chunked"),
     floor_bits: int | None = _Default(None),
+    experts: str = _Default("stored"),
     targets: str | None = None,
     exclude: str | None = None,
     preset: str = "compact",
@@ -131,23 +134,34 @@ def patch_activations(
             rounding), ``"coded"`` (:class:`~sketchprop.activations.CodedLayerNorm`: from a
             ``code_bits``-bit code of the output, shared with the next layers; a bias of second
             order) or ``"stored"``.
-        mlp: ``"recompute"``: each SiLU-gated MLP (Llama's ``down(silu(gate(x)) * up(x))``)
-            keeps the gate and up outputs only (:func:`~sketchprop.activations.gated_mlp_forward`;
-            exact); ``"input"``: it keeps its input only, and backward computes the gate and up
-            projections again (:func:`~sketchprop.activations.gated_mlp_input_forward`; exact; two
-            more matmuls per MLP); ``"auto"``: ``"input"`` where the gate and up projections'
-            full-size weights are frozen (LoRA: a step that stays under exact's time), else
-            ``"recompute"``, decided on each call (an MLP whose gate or up projection is not a
-            plain or LoRA linear layer, or has LoRA dropout, keeps the gate and up outputs under
-            ``"input"`` too); ``"coded"``: as ``"input"``, from the ``code_bits``-bit code of the
-            input (:class:`~sketchprop.activations.CodedGatedMLP`; not exact); or ``"stored"``.
-        rmsnorm: ``"compact"``: each Llama-form RMSNorm keeps its input and one statistic per
+        mlp: ``"recompute"``: each gated MLP (``down(act(gate(x)) * up(x))``, a SiLU or GELU gate,
+            gate and up separate or fused: Llama's, Gemma's, Phi-3's, ModernBERT's; found by what
+            it computes, :func:`~sketchprop.activations.gated_layout`; its GELU module is then not
+            the GELU part's) keeps the gate and up outputs only
+            (:func:`~sketchprop.activations.gated_mlp_forward`; exact); ``"input"``: it keeps its
+            input only, and backward computes the gate and up projections again
+            (:func:`~sketchprop.activations.gated_mlp_input_forward`; exact; two more matmuls per
+            MLP); ``"auto"``: ``"input"`` where the gate and up projections' full-size weights are
+            frozen (LoRA: a step that stays under exact's time), else ``"recompute"``, decided on
+            each call (an MLP whose gate or up projection is not a plain or LoRA linear layer, or
+            has LoRA dropout, keeps the gate and up outputs under ``"input"`` too); ``"coded"``: as
+            ``"input"``, from the ``code_bits``-bit code of the input
+            (:class:`~sketchprop.activations.CodedGatedMLP`; not exact); or ``"stored"``.
+        rmsnorm: ``"compact"``: each RMSNorm of Llama's or Gemma's ``(1 + weight)`` form (found
+            by what it computes, :func:`~sketchprop.activations.rms_norm_form`, whatever its
+            name; QK-norms and sandwich norms too) keeps its input and one statistic per
             row (:class:`~sketchprop.activations.RMSNormFunction`; exact), ``"coded"``
             (:class:`~sketchprop.activations.CodedRMSNorm`: a ``code_bits``-bit code of its
             output, shared with the next layers; a bias of second order) or ``"stored"``.
         lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
             tokens, the logits made again in backward (:func:`~sketchprop.activations.chunked_lm_loss`;
             exact; ``logits`` is None in the output while it trains with labels), or ``"stored"``.
+        experts: ``"recompute"``: each mixture of experts held as stacked parameters (Mixtral's,
+            Qwen3-MoE's ``gate_up_proj[E, 2F, H]``, found by its parameters' shapes,
+            :func:`~sketchprop.activations.is_experts`) keeps its input and its router's choices
+            and weights only, and runs again in backward (exact; the experts' forward once more);
+            ``"coded"``: from the ``code_bits``-bit code of its input
+            (:class:`~sketchprop.activations.CodedExperts`; not exact); or ``"stored"``.
         floor_bits: 8, 4 or 2: the generic floor (:mod:`sketchprop.activations.floor`): every
             tensor the model saves for backward that no other part handles, kept as one
             ``floor_bits``-bit code per storage (groups of ``code_group``, unbiased rounding;
@@ -188,9 +202,10 @@ def patch_activations(
     code_group = check_group(code_group)
     options = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
                "gelu_code": gelu_code, "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm,
-               "lm_loss": lm_loss, "floor_bits": floor_bits}
+               "lm_loss": lm_loss, "floor_bits": floor_bits, "experts": experts}
     given = {k: not isinstance(v, _Default) for k, v in options.items()}
-    dropout, attention, gelu_bits, gelu_code, layernorm, mlp, rmsnorm, lm_loss, floor_bits = (
+    (dropout, attention, gelu_bits, gelu_code, layernorm, mlp, rmsnorm, lm_loss, floor_bits,
+     experts) = (
         PRESETS[preset].get(k, v.value) if isinstance(v, _Default) else v
         for k, v in options.items())
     if floor_bits is not None and (isinstance(floor_bits, bool) or floor_bits not in BITS):
@@ -198,7 +213,8 @@ def patch_activations(
     for name, value, allowed in (("dropout", dropout, act.DROPOUT),
                                  ("attention", attention, act.ATTENTION),
                                  ("layernorm", layernorm, act.LAYERNORM), ("mlp", mlp, MLP),
-                                 ("rmsnorm", rmsnorm, RMSNORM), ("lm_loss", lm_loss, LM_LOSS)):
+                                 ("rmsnorm", rmsnorm, RMSNORM), ("lm_loss", lm_loss, LM_LOSS),
+                                 ("experts", experts, act.EXPERTS)):
         if value not in allowed:
             raise ValueError(f"unknown {name} {value!r}; choose one of {list(allowed)}")
     if gelu_bits is not None:
@@ -207,7 +223,7 @@ def patch_activations(
                            ", or pass layernorm='stored'")
     values = {"dropout": dropout, "attention": attention, "gelu_bits": gelu_bits,
               "layernorm": layernorm, "mlp": mlp, "rmsnorm": rmsnorm, "lm_loss": lm_loss,
-              "floor_bits": floor_bits}
+              "floor_bits": floor_bits, "experts": experts}
     if all(values[k] == off for k, off in PARTS_OFF.items()):
         raise ValueError(", ".join(f"{k}={v!r}" for k, v in PARTS_OFF.items())
                          + ": nothing to patch")
@@ -243,9 +259,16 @@ def patch_activations(
         kind = act.SeededDropout if dropout == "seeded" else act.PackedDropout
         new.update({n: kind.from_dropout(model.get_submodule(n)) for n in names})
         applied["dropout"], selected = len(names), selected + len(names)
+    # A gated MLP's forward under the mlp part computes its gate itself: its GELU module is unused.
+    gates = set() if mlp == "stored" else {
+        id(getattr(m, act.gated_layout(m).act)) for n in _select(model, act.is_gated_mlp, targets,
+                                                                 exclude)
+        for m in [model.get_submodule(n)]}
     if gelu_bits is not None:
-        names = select("gelu_bits", lambda m: act.is_exact_gelu(m) or act.is_tanh_gelu(m),
-                       "GELU module (nn.GELU, transformers' gelu, gelu_new or gelu_pytorch_tanh)")
+        names = select("gelu_bits", lambda m: id(m) not in gates and (act.is_exact_gelu(m)
+                                                                    or act.is_tanh_gelu(m)),
+                       "GELU module (nn.GELU, transformers' gelu, gelu_new or gelu_pytorch_tanh) "
+                       "outside a gated MLP")
         for n in names:
             kind = act.CompactTanhGELU if act.is_tanh_gelu(model.get_submodule(n)) \
                 else act.CompactGELU
@@ -259,11 +282,11 @@ def patch_activations(
                 act.CodedLayerNorm.from_layernorm(norm, code_bits, code_group, name=n)
         applied["layernorm"], selected = len(names), selected + len(names)
     for part, on, kind, what, forward in (
-            ("mlp", mlp != "stored", act.is_gated_mlp, "SiLU-gated MLP (Llama's gate_proj, "
-             "up_proj, down_proj)",
+            ("mlp", mlp != "stored", act.is_gated_mlp, "gated MLP (down(act(gate(x)) * up(x)), "
+             "a SiLU or GELU gate, gate and up separate or fused)",
              {"input": act.gated_mlp_input_forward, "recompute": act.gated_mlp_forward,
               "auto": act.gated_mlp_auto_forward}.get(mlp, act.CodedGatedMLP)),
-            ("rmsnorm", rmsnorm != "stored", act.is_rms_norm, "Llama-form RMSNorm",
+            ("rmsnorm", rmsnorm != "stored", act.is_rms_norm, "RMSNorm (Llama's or Gemma's form)",
              act.rms_norm_forward if rmsnorm == "compact" else act.CodedRMSNorm)):
         if on:
             names = select(part, kind, what)
@@ -278,10 +301,16 @@ def patch_activations(
                 frozen = sum(act.keeps_input(model.get_submodule(n)) for n in names)
                 notes["mlp"] = f"; its input kept where the gate and up weights are frozen: " \
                                f"{frozen} now"
+    if experts != "stored":
+        names = select("experts", act.is_experts, "mixture of experts held as stacked parameters")
+        forwards.update({n: (model.get_submodule(n), act.CodedExperts(
+            model.get_submodule(n), code_bits if experts == "coded" else None, code_group, name=n))
+            for n in names})
+        applied["experts"], selected = len(names), selected + len(names)
     if where and not selected:
         raise ValueError(f"targets={targets!r} exclude={exclude!r} match no module that "
                          "patch_activations replaces (dropout, GELU, LayerNorm, gated MLP, "
-                         "RMSNorm)")
+                         "RMSNorm, experts)")
     owner = _transformers_owner(model)
     if lm_loss != "stored":
         reason = "not a transformers model" if owner is None else act.lm_loss_refusal(owner)
@@ -366,6 +395,7 @@ def unpatch_activations(model: nn.Module) -> list[str]:
     _swap(model, state["modules"])
     for module, _ in state["forwards"].values():
         forget_mlp_check(module)
+        forget_rms_form(module)
         module.__dict__.pop(KEPT, None)  # a coded RMSNorm's cached columns
     take_forwards(state["forwards"], state["given"])
     if state["attention"] is not None:

@@ -5,11 +5,15 @@ swaps them back; and the selection by type and qualified-name regexes that
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..allocation import ALLOCATIONS, VarianceAllocation
 from ..layers import (
@@ -30,6 +34,7 @@ from ..wrappers import _transformers_owner, bound, model_to_patch
 __all__ = ["DEFAULT_EXCLUDE", "find_linear", "patch_linear", "unpatch_linear"]
 
 _HOOKS = "_sketchprop_hooks"
+log = logging.getLogger("sketchprop.patching")
 
 #: Left exact unless ``exclude`` says otherwise: a language model's output layer. Its weight is tied
 #: to the input embedding in most language models (GPT-2, Llama, T5), so a sketched gradient there
@@ -86,10 +91,43 @@ def _swap(model: nn.Module, replacements: Mapping[str, nn.Module]) -> list[str]:
     return list(replacements)
 
 
+def _computes_linear(module: nn.Linear) -> bool:
+    """Whether an ``nn.Linear`` subclass's own forward is ``F.linear(x, weight, bias)`` (to float
+    rounding), on a random input with its own weights (a weight that is not a float ``(out, in)``
+    matrix, as a quantized one, is not)."""
+    if type(module).forward is nn.Linear.forward:
+        return True
+    weight, bias = module.weight, module.bias
+    if not (isinstance(weight, torch.Tensor) and weight.is_floating_point()
+            and tuple(weight.shape) == (module.out_features, module.in_features)):
+        return False
+    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(weight.device, weight.dtype)
+    tol = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 1e-2
+    try:
+        with torch.no_grad():  # the class's forward, not the module's hooks
+            got = type(module).forward(module, x)
+            return isinstance(got, torch.Tensor) and torch.allclose(
+                got, F.linear(x, weight, bias), rtol=tol, atol=tol * float(got.abs().max()))
+    except Exception:  # a forward that cannot run on this input is not the linear map
+        return False
+
+
 def _is_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (not a subclass: see :func:`patch_linear`) or transformers' Conv1D."""
+    """A layer :func:`patch_linear` replaces: an ``nn.Linear``, a subclass whose forward is the
+    same linear map (Falcon's ``FalconLinear``), or transformers' Conv1D. Not
+    ``nn.MultiheadAttention``'s output projection, which its owner reads without calling it."""
     conv1d = conv1d_class()
-    return type(module) is nn.Linear or (conv1d is not None and type(module) is conv1d)
+    if type(module) is nn.Linear or (conv1d is not None and type(module) is conv1d):
+        return True
+    return isinstance(module, nn.Linear) and not isinstance(
+        module, (RandomizedLinear, NonDynamicallyQuantizableLinear)) and _computes_linear(module)
+
+
+def _left_linear(model: nn.Module) -> dict[str, str]:
+    """The ``nn.Linear`` subclasses of ``model`` that :func:`patch_linear` leaves, by type."""
+    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)
+            and not isinstance(m, RandomizedLinear) and not _is_linear(m)}
 
 
 def find_linear(model: nn.Module, targets: str | None = None,
@@ -120,10 +158,12 @@ def patch_linear(
 ) -> list[str]:
     """Replace the linear layers of ``model`` in place by :class:`RandomizedLinear`.
 
-    Linear layers are ``nn.Linear`` modules (exactly that type: a subclass may be used otherwise,
-    as ``nn.MultiheadAttention`` reads its output projection's weight without calling it) and
-    transformers' ``Conv1D`` (GPT-2's; its ``(in, out)`` weight is kept as it is, in a
-    ``RandomizedConv1D``, see :class:`RandomizedLinear`).
+    Linear layers are ``nn.Linear`` modules, subclasses of it whose forward is the same linear
+    map (checked on a random input: Falcon's ``FalconLinear``; ``nn.MultiheadAttention``'s output
+    projection, read by its owner without a call, is not one), and transformers' ``Conv1D``
+    (GPT-2's; its ``(in, out)`` weight is kept as it is, in a ``RandomizedConv1D``, see
+    :class:`RandomizedLinear`). The subclasses it leaves are named in one line logged (INFO,
+    logger ``sketchprop.patching``).
 
     On a transformers model, or a peft model around one, the padding hook and the layers' shared
     state go on the transformers model (which ``merge_and_unload`` returns), and its
@@ -181,7 +221,8 @@ def patch_linear(
     names = find_linear(model, targets, exclude)
     if not names:
         raise _no_match("nn.Linear or Conv1D", targets, exclude, model, _is_linear,
-                        "patch_linear (it knows nn.Linear and transformers' Conv1D)")
+                        "patch_linear (it knows nn.Linear, its subclasses that compute the "
+                        "linear map, and transformers' Conv1D)")
     rates = {name: resolve_rho(rho, name) for name in names}
     if int(min_rows) < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows!r}")
@@ -219,6 +260,10 @@ def patch_linear(
     setattr(holder, _HOOKS, hooks)
     if owner is not None:
         owner.__dict__["resize_token_embeddings"] = bound(_resize_token_embeddings, owner)
+    left = _left_linear(model)
+    if left:
+        log.info("patch_linear(%s): left %s (their forward is not the linear map)",
+                 type(model).__name__, ", ".join(f"{n} ({t})" for n, t in left.items()))
     return _swap(model, new)
 
 
