@@ -222,6 +222,10 @@ def test_an_attention_input_it_would_leave_out_refuses(monkeypatch):
                                 num_items_in_batch=torch.tensor(3.0))
 
 
+# Q, K and V each the whole output of its own projection (source, first column, columns, no norm).
+SLICES = ((0, 0, 8, None), (1, 0, 8, None), (2, 0, 8, None))
+
+
 def padded_attention(case: str, monkeypatch, rounding=None):
     """A two-sequence batch for :class:`_ProjectedAttention` whose second sequence has two padding
     rows, with ``F.linear`` applied row by row (so that a product over fewer rows gives the same
@@ -242,8 +246,8 @@ def padded_attention(case: str, monkeypatch, rounding=None):
         return out.view(*t.shape[:-1], -1)
 
     monkeypatch.setattr(torch.nn.functional, "linear", by_row)
-    q, k, v = (act.attention._project(x, w, b, torch.float32, 4).requires_grad_(True)
-               for w, b in pairs)
+    q, k, v = (act.attention._as_heads(act.attention._linear_rows(x, w, b, torch.float32), 4)
+               .requires_grad_(True) for w, b in pairs)
     mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
     mask[1, ..., 4:] = False  # padding keys of the second sequence
     if case == "blind query":
@@ -267,7 +271,8 @@ def test_recompute_projects_only_the_rows_backward_reads(case, monkeypatch):
     rows = 12 if case == "blind query" else 10
 
     def grads(code=None):
-        out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs, code)
+        out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs,
+                                                      SLICES, (), code)
         seen.clear()
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -296,7 +301,8 @@ def test_exact_recompute_makes_every_row_where_fewer_round_otherwise(monkeypatch
         act.attention._RecomputedAttention.apply(q, k, v, mask, 0.5, 0.3, seed), (q, k, v), dout)
 
     def grads():
-        out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs)
+        out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs,
+                                                      SLICES, ())
         seen.clear()
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -524,8 +530,8 @@ def test_attention_keeps_the_block_input_not_qkv(family, setup):
         want = grads(ref, b, ckpt)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
-    checked = [m.__dict__.get(act.attention._CHECKED) for m in model.modules() if act.has_projections(m)]
-    assert checked == [True, True]
+    found = [m.__dict__.get(act.attention._CHECKED) for m in model.modules() if act.has_projections(m)]
+    assert [f[0] for f in found] == [("query", "key", "value")] * 2  # their projections, found
     if setup == "plain":
         model.zero_grad(), ref.zero_grad()
         cfg = model.config
@@ -548,8 +554,8 @@ def test_attention_keeps_qkv_when_they_are_not_the_inputs_projections():
     with pytest.warns(UserWarning, match="keeps Q, K and V"):
         got = grads(model, b)
     assert_same_grads(got, grads(ref, b))
-    checked = [m.__dict__.get(act.attention._CHECKED) for m in model.modules() if act.has_projections(m)]
-    assert checked == [False, True]
+    found = [m.__dict__.get(act.attention._CHECKED) for m in model.modules() if act.has_projections(m)]
+    assert found[0] is False and found[1][0] == ("query", "key", "value")
 
 
 @pytest.mark.stack("ckpt-reentrant", "compact")

@@ -3,11 +3,15 @@ and up separate or fused, either half the gate) and the RMSNorm (Llama's and Gem
 modules written here with names no model uses and on the families that have them. Each part alone
 gives the unpatched gradients; a module that computes something else is left."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torch.nn.utils import parametrize
 
 from sketchprop import activations as act
 from sketchprop import patch_activations, patch_linear, unpatch_activations, unpatch_linear
@@ -71,7 +75,7 @@ class Norm(nn.Module):
 
 
 class T5Like(Norm):
-    """T5's RMSNorm: the cast goes to the weight's dtype, after the normalisation (neither form)."""
+    """T5's RMSNorm: the cast goes to the weight's dtype, after the normalisation."""
 
     def forward(self, x):
         n = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
@@ -178,8 +182,8 @@ def test_a_dropout_turned_on_after_patching_runs_the_modules_own_forward():
 
 @pytest.mark.parametrize("offset", [False, True])
 def test_an_rmsnorm_is_found_by_what_it_computes(offset):
-    assert act.rms_norm_form(Norm(offset)) is offset
-    assert act.rms_norm_form(T5Like()) is None
+    assert act.rms_norm_form(Norm(offset)) == ("gemma" if offset else "llama")
+    assert act.rms_norm_form(T5Like()) == "t5"
     assert act.rms_norm_form(nn.LayerNorm(H)) is None
 
 
@@ -192,14 +196,20 @@ def test_a_sharded_rmsnorms_form_is_found_from_its_computation_not_its_weight(of
     norm = (tf.models.gemma.modeling_gemma.GemmaRMSNorm if offset else
             tf.models.llama.modeling_llama.LlamaRMSNorm)(H)
     norm.weight = nn.Parameter(torch.empty(0))
-    assert act.rms_norm_form(norm) is offset
+    assert act.rms_norm_form(norm) == ("gemma" if offset else "llama")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("offset", [False, True])
-def test_the_compact_rmsnorm_alone_is_exact_in_either_form(offset, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 input"])
+@pytest.mark.parametrize("form", ["llama", "gemma", "t5"])
+def test_the_compact_rmsnorm_alone_is_exact_in_every_form(form, dtype):
+    """Bit for bit in bfloat16, and with a bfloat16 input under a float32 weight (as autocast
+    gives a QK-norm), where a fused backward rounds otherwise."""
     torch.manual_seed(0)
-    model = Block(Fused(), Norm(offset)).to(dtype)
+    norm = T5Like() if form == "t5" else Norm(form == "gemma")
+    if dtype == "bf16 input":  # the norm's output dtype differs by form: nothing after it
+        model, dtype = Block(nn.Identity(), norm), torch.bfloat16
+    else:
+        model = Block(Fused(), norm).to(dtype)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     x = data().to(dtype)
     want = grads(model, x)
@@ -210,6 +220,11 @@ def test_the_compact_rmsnorm_alone_is_exact_in_either_form(offset, dtype):
         lm_loss="stored"))
     if dtype == torch.float32:
         assert_same(got, want)
+    elif form == "t5":  # T5's reads its input twice: its two gradients are summed before the
+        # residual's is added, not after: one more bfloat16 rounding (2^-8) of a partial sum,
+        # which may be as large as the terms (twice the total, say)
+        assert all(torch.equal(got[n], want[n]) for n in want if n != "x")
+        assert (got["x"] - want["x"]).float().norm() < 2 ** -7 * want["x"].float().norm()
     else:  # the same ops in the same order, on bfloat16: bit for bit
         assert all(torch.equal(got[n], want[n]) for n in want)
 
@@ -419,3 +434,160 @@ def test_the_families_experts_made_again_are_exact_and_coded_close(name, width):
     for n in experts + [n for n in want if n.endswith("gate.weight")]:
         # 8 bits: 1/255 of a group's range per value, far below a gradient's own size
         assert (coded[n] - want[n]).norm() < 0.05 * want[n].norm(), n
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: Q, K, V made again through whatever projections make them.
+
+
+def backward_nodes(t) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [n for n, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("name", ["distilbert", "gpt2", "t5", "vit", "bert"])
+def test_the_exact_recompute_finds_fused_and_renamed_projections(name):
+    """DistilBERT's q_lin, GPT-2's fused Conv1D c_attn, T5's q/k/v (with its position bias), ViT's
+    and BERT's: the self-attention keeps its block input in place of Q, K, V, exactly."""
+    def run(setup=None):
+        model = fam.build(name)
+        if setup:
+            setup(model)
+        loss = model(**fam.make_batch(name, model)).loss
+        nodes = backward_nodes(loss)
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, nodes
+
+    want, _ = run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, nodes = run(lambda m: patch_activations(
+            m, attention="recompute", dropout="stored", gelu_bits=None, layernorm="stored",
+            mlp="stored", rmsnorm="stored", lm_loss="stored"))
+    assert "_ProjectedAttentionBackward" in nodes
+    # T5's cross-attention projects the encoder's states, not its input: it keeps Q, K, V
+    assert ("_RecomputedAttentionBackward" in nodes) == (name == "t5")
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("name", ["phi3", "modernbert", "qwen3", "gemma3", "gpt2", "distilbert"])
+def test_coded_attention_is_made_from_the_input_code_through_any_layout(name):
+    """Fused QKV (Phi-3, ModernBERT, GPT-2), QK-norms (Qwen3, Gemma 3), renamed (DistilBERT):
+    under the lean preset every attention block makes Q, K, V again from its input's code, with no
+    warning (a block whose Q, K, V it cannot make keeps them, and warns)."""
+    model = fam.build(name)
+    patch_linear(model, bits=4)
+    patch_activations(model, preset="lean")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = model(**fam.make_batch(name, model)).loss
+    nodes = backward_nodes(loss)
+    assert "_ProjectedAttentionBackward" in nodes and "_RecomputedAttentionBackward" not in nodes
+    loss.backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the parts step aside: what they cannot make again, they leave to the module's own forward.
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, w):
+        return w * self.s
+
+
+class Dropped(Bank):
+    """Experts that drop inside their forward (functional dropout: no module to see)."""
+
+    def forward(self, x, choice, weight):
+        return F.dropout(super().forward(x, choice, weight), 0.3, self.training)
+
+
+@pytest.mark.parametrize("case", ["parametrized", "dropout"])
+def test_experts_made_again_see_what_their_forward_sees(case):
+    """A parametrization on an expert parameter (as peft's LoRA on experts puts on for its call)
+    is computed by the module's own forward, its parameters get their gradients; a dropout inside
+    the experts draws in backward the numbers forward drew."""
+    torch.manual_seed(0)
+    model = Routed()
+    if case == "dropout":
+        model.bank = Dropped()
+    ref = copy.deepcopy(model)
+    patch_activations(model, experts="recompute", mlp="stored", attention="stored",
+                      lm_loss="stored")
+    for m in (model, ref):
+        if case == "parametrized":
+            parametrize.register_parametrization(m.bank, "w_out", Scale())
+    assert_same(grads(model, data()), grads(ref, data()))
+
+
+def test_what_experts_cannot_make_again_is_said_or_left():
+    class Pair(Bank):
+        def forward(self, x, choice, weight):
+            return super().forward(x, choice, weight), choice
+
+    model = Routed()
+    model.bank = Pair()
+    patch_activations(model.bank, experts="recompute")
+    with pytest.raises(TypeError, match="not one tensor.*experts='stored'"):
+        model.bank(data().reshape(-1, H), *model.router(data().reshape(-1, H)).topk(2)[::-1])
+    assert not act.is_experts(nn.Conv1d(4, 8, 3, bias=False))  # a 3-D weight, not experts
+
+
+def test_hooks_on_the_gate_or_down_projection_run_the_modules_own_forward():
+    """The parts compute the gate and call the down projection's weight: with a hook on either
+    (added after patching), the MLP's own forward runs, hooks and all."""
+    torch.manual_seed(0)
+    for mode in ("recompute", "input"):
+        model = Block(Separate("silu"))
+        ref = copy.deepcopy(model)
+        patch_activations(model, mlp=mode, attention="stored", lm_loss="stored")
+        for m in (model, ref):
+            m.mlp.three.register_forward_hook(lambda mod, args, out: out * 2)
+            m.mlp.nl.register_forward_hook(lambda mod, args, out: out * 0.5)
+        assert_same(grads(model, data()), grads(ref, data()))
+
+
+def test_a_dropout_of_the_mlps_own_in_training_is_not_a_gated_mlp():
+    class Drops(Separate):
+        def forward(self, x):
+            return self.three(F.dropout(self.one(x) * self.nl(self.two(x)), 0.1, self.training))
+
+    assert act.gated_layout(Drops("silu")) is None
+
+
+class WithAdapter(nn.Linear):
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.a = nn.Parameter(torch.zeros(o, i))  # zero at first: the same map, until trained
+
+    def forward(self, x):
+        return super().forward(x) + F.linear(x, self.a)
+
+
+class DropConnect(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, F.dropout(self.weight, 0.5, self.training), self.bias)
+
+
+def test_linear_subclasses_holding_or_doing_more_are_left():
+    """A subclass with a parameter of its own, one whose weight drops out in training (patched in
+    eval mode, as from_pretrained returns models) and a weight-normed layer: each left as it is,
+    its parameters kept."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    for layer in (WithAdapter(H, H), DropConnect(H, H).eval(), weight_norm(nn.Linear(H, H))):
+        model = nn.Sequential(layer, nn.Linear(H, H))
+        keys = set(model.state_dict())
+        assert patch_linear(model, sketch="exact") == ["1"]
+        assert set(model.state_dict()) == keys and model[0] is layer

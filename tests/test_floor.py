@@ -144,7 +144,7 @@ def test_what_is_kept_as_it_is_and_what_is_coded():
 def test_what_a_part_offers_is_coded_and_only_under_a_floor():
     """A custom Function's saves that it hands to the floor (``offer``) are coded; without a
     floor open, offering does nothing. The attention that keeps Q, K and V (DistilBERT's, whose
-    projections it cannot make again) offers them: under lean with the floor none of them is
+    query projection a hook feeds another input, so that they cannot be made again) offers them: under lean with the floor none of them is
     kept in full, without the floor all six (two layers) are."""
     class Offered(torch.autograd.Function):
         @staticmethod
@@ -177,9 +177,11 @@ def test_what_a_part_offers_is_coded_and_only_under_a_floor():
     for floor_bits in (None, 4):
         model = fam.build("distilbert")
         patch_linear(model, bits=4)
+        for layer in model.distilbert.transformer.layer:
+            layer.attention.q_lin.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
         patch_activations(model, preset="lean", floor_bits=floor_bits)
         batch = fam.make_batch("distilbert", model)
-        with SavedTensorMeter(model) as meter:
+        with SavedTensorMeter(model) as meter, pytest.warns(UserWarning, match="keeps Q, K"):
             loss = model(**batch).loss
         loss.backward()
         counts[floor_bits] = sum(n == full for n, _ in meter.records)

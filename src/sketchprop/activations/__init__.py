@@ -44,9 +44,11 @@ from .attention import (
     forget_attention_check,
     has_projections,
     has_rope_projections,
+    is_attention_block,
     keep_attention_input,
     recompute_attention,
     register_attention,
+    takes_rope,
 )
 from .dropout import DROPOUT, PackedDropout, SeededDropout
 from .experts import EXPERTS, CodedExperts, is_experts
@@ -133,6 +135,8 @@ __all__ = [
     "gelu_tanh_derivative",
     "has_projections",
     "has_rope_projections",
+    "is_attention_block",
+    "takes_rope",
     "is_exact_gelu",
     "is_experts",
     "gate_of",

@@ -32,6 +32,7 @@ unrepeated K/V heads (``num_key_value_heads`` of them) and recomputes the probab
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import warnings
@@ -45,6 +46,7 @@ from ..compiling import eager_island
 from ..functional import first_order, seed_tensor
 from ..rng import SeedStream
 from .floor import offer
+from .norms import _rms_eps, rms_norm_form, rms_norm_value
 from .projections import _linear_weights, forward_hooks_on
 from .rows import fingerprints, needed_rows, padded, same_rows
 from .seeds import _draw_seed, _drop_threshold, keep_mask
@@ -152,27 +154,47 @@ class _RecomputedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, dbias
 
 
-def _project(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
-             head_dim: int, rope: tuple[Tensor, Tensor] | None = None,
-             rows: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)`` in ``dtype`` (autocast's casts, done by hand) as heads:
-    ``(B, L, H * D) -> (B, H, L, D)``, what BERT's self-attention gives the attention function;
-    with ``rope = (cos, sin)`` (``B, L, D``), rotated as Llama's ``apply_rotary_pos_emb`` does.
-    With ``rows`` (flat indices into the ``B * L`` rows), only those rows are projected; the
-    others are zeros."""
+def _linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+                 rows: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` in ``dtype`` (autocast's casts, done by hand). With ``rows``
+    (flat indices into the ``B * L`` rows), only those rows are projected; the others are zeros."""
     weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     if rows is None:
-        y = F.linear(x.to(dtype), weight, bias)
-    else:
-        flat = x.reshape(-1, x.shape[-1])
-        part = F.linear(flat.index_select(0, rows).to(dtype), weight, bias)
-        y = part.new_zeros(flat.shape[0], part.shape[-1]).index_copy_(0, rows, part)
-    y = y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+        return F.linear(x.to(dtype), weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    part = F.linear(flat.index_select(0, rows).to(dtype), weight, bias)
+    return part.new_zeros(flat.shape[0], part.shape[-1]).index_copy_(0, rows, part).view(
+        *x.shape[:-1], -1)
+
+
+def _as_heads(y: Tensor, head_dim: int, rope: tuple[Tensor, Tensor] | None = None,
+              norm: tuple | None = None) -> Tensor:
+    """A projection's output as heads, ``(B, L, H * D) -> (B, H, L, D)``, what an attention block
+    gives the attention function; with ``norm = (weight, eps, form)``, each head RMS-normalised
+    first (a QK-norm: :func:`~sketchprop.activations.norms.rms_norm_value`); with ``rope = (cos,
+    sin)`` (``B, L, D``), rotated as Llama's ``apply_rotary_pos_emb`` does."""
+    y = y.view(*y.shape[:-1], -1, head_dim)
+    if norm is not None:
+        y = rms_norm_value(y, *norm)
+    y = y.transpose(1, 2)
     if rope is None:
         return y
     cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
     half = y.shape[-1] // 2
     return (y * cos) + (torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin)
+
+
+def _qkv(x: Tensor, pairs: tuple, slices: tuple, norms: tuple, dtype: torch.dtype,
+         head_dim: int, rope: tuple[Tensor, Tensor] | None = None,
+         rows: Tensor | None = None) -> list[Tensor]:
+    """Q, K and V made from ``x``: each source projection's output once (``pairs``: their
+    ``(weight, bias)``), then each tensor's columns of its source (``slices``: ``(source, first
+    column, columns, norm)``) as heads, normalised by ``norms[norm]`` where it is not None (a
+    QK-norm), Q and K rotated."""
+    outs = [_linear_rows(x, w, b, dtype, rows) for w, b in pairs]
+    return [_as_heads(outs[src][..., first:first + n], head_dim, rope if i < 2 else None,
+                      None if norm is None else norms[norm])
+            for i, (src, first, n, norm) in enumerate(slices)]
 
 
 class _ProjectedAttention(torch.autograd.Function):
@@ -187,9 +209,11 @@ class _ProjectedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
-                pairs: tuple, code: SharedCode | None = None,
+                pairs: tuple, slices: tuple, norms: tuple, code: SharedCode | None = None,
                 rope: tuple[Tensor, Tensor] | None = None, bias: Tensor | None = None):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
+        ctx.slices, ctx.norms = slices, [(eps, form) for _, eps, form in norms]
+        ctx.n_pairs = len(pairs)
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
         ctx.rope = rope is not None
         # Detached views share storage and version counter: an in-place change to x or a weight
@@ -202,7 +226,8 @@ class _ProjectedAttention(torch.autograd.Function):
         prints = fingerprints(q, k, v) if not ctx.coded and padded(mask) else None
         ctx.save_for_backward(mask, seed, bias, x,
                               *(rope or (None, None)), prints,
-                              *(None if t is None else t.detach() for pair in pairs for t in pair))
+                              *(None if t is None else t.detach() for pair in pairs for t in pair),
+                              *(w.detach() for w, _, _ in norms))
         return _attend(q, k, v, mask, scaling, p, int(seed), bias)
 
     @staticmethod
@@ -215,48 +240,69 @@ class _ProjectedAttention(torch.autograd.Function):
         rope = (cos, sin) if ctx.rope else None
         rows = None if not ctx.coded and prints is None else needed_rows(dout, mask, x.shape)
 
+        linear, norm_weights = weights[:2 * ctx.n_pairs], weights[2 * ctx.n_pairs:]
+        pairs = tuple(zip(linear[0::2], linear[1::2], strict=True))
+        norms = tuple((w, *meta) for w, meta in zip(norm_weights, ctx.norms, strict=True))
+
         def project(rows):
-            return [_project(x, w, b, ctx.dtype, ctx.head_dim, rope if i < 2 else None, rows)
-                    for i, (w, b) in enumerate(zip(weights[0::2], weights[1::2], strict=True))]
+            return _qkv(x, pairs, ctx.slices, norms, ctx.dtype, ctx.head_dim, rope, rows)
         with torch.autocast(x.device.type, enabled=False):
             qkv = project(rows)
             if rows is not None and prints is not None and not same_rows(qkv, prints, rows):
                 qkv = project(None)  # a product over fewer rows rounded otherwise: all, as forward
         dq, dk, dv, dbias = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed), bias)
-        return dq, dk, dv, *[None] * 8, dbias
+        return dq, dk, dv, *[None] * 10, dbias
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
 #: input, which changes with every call, travels per call and per thread: :data:`_calls`.)
 _CHECKED = "_sketchprop_qkv_checked"
 _PROJECTIONS = ("query", "key", "value")
-_ROPE_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-# A call with any of these set projects something else than its own input (a cache, an encoder).
-_OTHER_SOURCES = ("cache", "past_key_values", "past_key_value", "encoder_hidden_states")
+# A call with any of these set projects something else than its own input (an encoder's states).
+_OTHER_SOURCES = ("encoder_hidden_states", "key_value_states")
 _CACHES = ("cache", "past_key_values", "past_key_value")
 
 
 def has_projections(module: nn.Module) -> bool:
-    """Whether ``module`` is a BERT-style self-attention: ``query``, ``key`` and ``value``
-    submodules applied to its first argument."""
+    """Whether ``module`` has BERT's ``query``, ``key`` and ``value`` submodules (the default
+    ``attention=`` reads them: :mod:`~sketchprop.activations.attention_models`)."""
     return all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
 
 
-def has_rope_projections(module: nn.Module) -> bool:
-    """Whether ``module`` is a Llama-style self-attention: ``q_proj``, ``k_proj`` and ``v_proj``
-    submodules and a forward that takes ``position_embeddings`` (the rotary ``cos, sin``).
-    Whether its Q, K, V are those projections of its input, rotated, is checked on its first
-    call (:func:`_projection_weights`)."""
-    if not all(isinstance(getattr(module, n, None), nn.Module) for n in _ROPE_PROJECTIONS):
+@functools.cache
+def _calls_attention_interface(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
         return False
+
+
+def _projection_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, c) for n, c in module.named_children() if _linear_weights(c) is not None]
+
+
+def is_attention_block(module: nn.Module) -> bool:
+    """Whether ``module`` is a self-attention block whose Q, K, V the recompute may make again
+    from its input: it calls transformers' attention interface (or has BERT's ``query``,
+    ``key``, ``value``) and has linear projections of its own. Which of them give Q, K and V, and
+    which columns of their outputs, is found on its first call (:func:`_find_slices`),
+    whatever their names and layout (separate, fused QKV, GPT-2's Conv1D)."""
+    return (has_projections(module) or _calls_attention_interface(type(module))) \
+        and bool(_projection_children(module))
+
+
+def takes_rope(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes rotary ``position_embeddings`` (``cos, sin``)."""
     try:
         return "position_embeddings" in inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
         return False
 
 
-def _names(module: nn.Module) -> tuple[str, str, str]:
-    return _PROJECTIONS if has_projections(module) else _ROPE_PROJECTIONS
+def has_rope_projections(module: nn.Module) -> bool:
+    """Whether ``module`` is a rotary self-attention block (:func:`is_attention_block` and
+    :func:`takes_rope`): ``attention="coded"`` makes its Q and K again rotated."""
+    return is_attention_block(module) and takes_rope(module)
 
 
 # Per thread: {id(module): [(input, its code or None) of each self-attention call in progress,
@@ -278,34 +324,34 @@ def keep_attention_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a self-attention module: keep a reference to the call's input (no
     copy), for this call and thread only, for :func:`recompute_attention` to save in place of
     Q, K and V."""
-    _inputs().setdefault(id(module), []).append((_own_input(args, kwargs), None, None, 0))
+    _inputs().setdefault(id(module), []).append((_own_input(module, args, kwargs), None, None, 0))
 
 
-def _own_input(args: tuple, kwargs: dict) -> Tensor | None:
-    """A self-attention call's input, where it projects its own input (no cache, no encoder)."""
+def _own_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+    """A self-attention call's input, where it projects its own input: no encoder, and a cache
+    (a training forward with ``use_cache`` on has one) that held nothing for this layer before
+    the call, so that K and V are this call's own."""
     x = args[0] if args else kwargs.get("hidden_states")
-    own = isinstance(x, Tensor) and all(kwargs.get(k) is None for k in _OTHER_SOURCES)
-    return x if own else None
-
-
-def _own_rope_input(module: nn.Module, args: tuple,
-                    kwargs: dict) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
-    """A Llama-style self-attention call's input and rotary ``(cos, sin)``, where it projects its
-    own input: no encoder, and a cache (a training forward with ``use_cache`` on has one) that
-    held nothing for this layer before the call, so that K and V are this call's own."""
-    x = args[0] if args else kwargs.get("hidden_states")
-    rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-    if not (isinstance(x, Tensor) and isinstance(rope, tuple) and len(rope) == 2
-            and all(isinstance(t, Tensor) for t in rope)) \
-            or kwargs.get("encoder_hidden_states") is not None:
-        return None, None
+    if not isinstance(x, Tensor) or any(kwargs.get(k) is not None for k in _OTHER_SOURCES):
+        return None
     for name in _CACHES:
         cache = kwargs.get(name)
         if cache is not None and not (callable(getattr(cache, "get_seq_length", None))
                                       and cache.get_seq_length(getattr(module, "layer_idx", 0))
                                       == 0):
-            return None, None
-    return x, rope
+            return None
+    return x
+
+
+def _own_rope_input(module: nn.Module, args: tuple,
+                    kwargs: dict) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+    """A rotary self-attention call's input (:func:`_own_input`) and its ``(cos, sin)``."""
+    rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+    if not (isinstance(rope, tuple) and len(rope) == 2 and all(isinstance(t, Tensor)
+                                                               for t in rope)):
+        return None, None
+    x = _own_input(module, args, kwargs)
+    return (x, rope) if x is not None else (None, None)
 
 
 class CodeAttentionInput:
@@ -321,10 +367,10 @@ class CodeAttentionInput:
 
     @eager_island
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if has_projections(module):
-            x, rope = _own_input(args, kwargs), None
-        else:
+        if takes_rope(module):
             x, rope = _own_rope_input(module, args, kwargs)
+        else:
+            x, rope = _own_input(module, args, kwargs), None
         code = None
         # Float32 (float64 too where the block is BERT's, as its coded LayerNorm): a rotary
         # block's norm and MLP code float32 only.
@@ -367,44 +413,87 @@ def _hooked(module: nn.Module) -> bool:
     :func:`keep_attention_input` (one added after it sees, and may change, the input after it
     was kept)."""
     return len(module._forward_pre_hooks) > 1 or forward_hooks_on(
-        getattr(module, n) for n in _names(module))
+        c for _, c in _projection_children(module))
+
+
+def _find_slices(module: nn.Module, x: Tensor, tensors: tuple[Tensor, Tensor, Tensor],
+                 rope: tuple[Tensor, Tensor] | None) -> tuple | None:
+    """``(names, norm names, slices)``: the projections of ``module`` that make its Q, K and V
+    (``tensors``) from ``x``, the RMSNorms of its own that normalise a head (a QK-norm, Qwen3's
+    ``q_norm``) and, for each of the three, ``(index in names, first column, columns, index in
+    norm names or None)``, such that those columns of its source's output as heads, normalised
+    and (Q and K) rotated, are the tensor, bit for bit; None where some tensor is none of these."""
+    children = _projection_children(module)
+    norms = [(n, c) for n, c in module.named_children() if rms_norm_form(c) is not None]
+    with torch.no_grad():
+        outs = {n: _linear_rows(x, *_linear_weights(c), tensors[0].dtype) for n, c in children}
+        found = []
+        for i, t in enumerate(tensors):
+            width, head_dim = t.shape[1] * t.shape[-1], t.shape[-1]
+            hit = next(((n, first, m) for m, norm in [(None, None), *norms]
+                        for n, y in outs.items()
+                        for first in range(0, y.shape[-1] - width + 1, head_dim)
+                        if torch.equal(_as_heads(y[..., first:first + width], head_dim,
+                                                 rope if i < 2 else None,
+                                                 None if norm is None else _norm_of(norm)), t)),
+                       None)
+            if hit is None:
+                return None
+            found.append((hit[0], hit[1], width, hit[2]))
+    names = list(dict.fromkeys(n for n, _, _, _ in found))
+    norm_names = list(dict.fromkeys(m for *_, m in found if m is not None))
+    return tuple(names), tuple(norm_names), tuple(
+        (names.index(n), first, w, None if m is None else norm_names.index(m))
+        for n, first, w, m in found)
+
+
+def _norm_of(norm: nn.Module) -> tuple:
+    """A QK-norm's ``(weight, eps, form)``, for :func:`_as_heads`."""
+    return norm.weight, _rms_eps(norm), rms_norm_form(norm)
 
 
 def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                         value: Tensor) -> tuple | None:
-    """``(x, pairs, code, rope)``: the attention block's input, its Q, K, V projections'
-    ``(weight, bias)`` pairs, the input's code under ``attention="coded"`` (else None) and, for a
-    Llama-style block, the rotary ``(cos, sin)`` (else None), when Q, K and V can be made again
-    from them; else None. The first call on a module checks that they give the very Q, K, V the
-    model passed (one extra projection, once), and so does every call while hooks may change them
-    (:func:`_hooked`); a module that fails the check keeps Q, K and V from then on, with a
-    warning."""
+    """``(x, pairs, slices, norms, code, rope)``: the attention block's input, the ``(weight,
+    bias)`` of the projections that make Q, K, V, their columns and QK-norms (:func:`_find_slices`),
+    the input's
+    code under ``attention="coded"`` (else None) and, for a rotary block, its ``(cos, sin)``
+    (else None), when Q, K and V can be made again from them; else None. The first call on a
+    module finds the projections from the very Q, K, V the model passed (one extra projection,
+    once), and every call while hooks may change them checks them again (:func:`_hooked`); a
+    module where they are not found keeps Q, K and V from then on, with a warning."""
     x, code, rope = _attention_input(module)
-    pairs = [_linear_weights(getattr(module, n, None)) for n in _names(module)]
-    if x is None or None in pairs or x.shape[:-1] != (query.shape[0], query.shape[2]) \
-            or key.shape[2] != query.shape[2] or module.__dict__.get(_CHECKED) is False:
+    found = module.__dict__.get(_CHECKED)
+    if x is None or x.shape[:-1] != (query.shape[0], query.shape[2]) \
+            or key.shape[2] != query.shape[2] or found is False:
         return None
     if rope is not None and (rope[0].shape[-1] != query.shape[-1]
                              or torch.is_autocast_enabled(x.device.type)):
         # Rotary on part of each head (Phi), or autocast's casts around the rotation: Q, K, V kept
         return None
-    if _CHECKED not in module.__dict__ or _hooked(module):
-        with torch.no_grad():
-            same = all(torch.equal(_project(x, w, b, t.dtype, t.shape[-1], rope if i < 2 else None),
-                                   t)
-                       for i, ((w, b), t) in enumerate(zip(pairs, (query, key, value),
-                                                           strict=True)))
+    if found is None or _hooked(module):
+        found = _find_slices(module, x, (query, key, value), rope)
+        if found is not None and found[0] != module.__dict__.get(_CHECKED, found)[0]:
+            found = None  # under a hook, other projections than the first call's: not ours
         # A rotation that moves nothing (one token at position 0: sin = 0) proves nothing about
-        # the rotary form (interleaved pairs, Cohere's, would pass): checked again next call.
-        if same and rope is not None and not bool(rope[1].ne(0).any()):
-            return x, tuple(pairs), code, rope
-        module.__dict__[_CHECKED] = same
-        if not same:
+        # the rotary form (interleaved pairs, Cohere's, would pass): found again next call.
+        if found is not None and rope is not None and not bool(rope[1].ne(0).any()):
+            return _with_weights(module, x, found, code, rope)
+        module.__dict__[_CHECKED] = found or False
+        if found is None:
             warnings.warn(f"{type(module).__name__}'s Q, K, V are not its projections of its "
                           "input; recompute_attention keeps Q, K and V for this module",
                           stacklevel=3)
             return None
-    return x, tuple(pairs), code, rope
+    return _with_weights(module, x, found, code, rope)
+
+
+def _with_weights(module: nn.Module, x: Tensor, found: tuple, code, rope) -> tuple | None:
+    pairs = [_linear_weights(getattr(module, n, None)) for n in found[0]]
+    if None in pairs:  # a projection replaced since by one that is not a linear layer
+        return None
+    norms = tuple(_norm_of(getattr(module, n)) for n in found[1])
+    return x, tuple(pairs), found[2], norms, code, rope
 
 
 @eager_island

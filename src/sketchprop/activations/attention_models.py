@@ -13,7 +13,7 @@ import sys
 
 from torch import nn
 
-from .attention import has_projections
+from .attention import is_attention_block, takes_rope
 
 
 def _attention_owner(model: nn.Module) -> nn.Module:
@@ -108,7 +108,8 @@ def _attention_keeps_no_probabilities(model: nn.Module, owner: nn.Module) -> str
     """Why the default ``attention="recompute"`` is left on ``model``, or None where it applies:
     its attention already keeps no probabilities (an SDPA or flash implementation with no
     attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
-    be made again from the block's input (no BERT-style ``query``/``key``/``value``). There the
+    be made again from the block's input by the exact recompute (its blocks are rotary, as
+    Llama's: :func:`~sketchprop.activations.attention.takes_rope`). There the
     recompute saves only the attention's output, where the output projection does not keep it
     anyway (a sketched or LoRA ``o_proj``), and in a padded batch the float mask SDPA keeps per
     layer (the recompute keeps one boolean mask), for a second pass over the attention in
@@ -123,8 +124,8 @@ def _attention_keeps_no_probabilities(model: nn.Module, owner: nn.Module) -> str
     # An attention module's own rate counts too: a sub-model's may come from a key of its own.
     rates += [float(m.attention_dropout) for m in model.modules()
               if isinstance(getattr(m, "attention_dropout", None), (int, float))]
-    if not rates or any(r > 0 for r in rates) or any(has_projections(m)
-                                                      for m in model.modules()):
+    if not rates or any(r > 0 for r in rates) or any(
+            is_attention_block(m) and not takes_rope(m) for m in model.modules()):
         return None
     return (f"its {impl} attention has no dropout, so it keeps no probabilities: recomputing "
             f"would save at most its output (and, in a padded batch, a float mask per layer), for "

@@ -8,7 +8,7 @@ transformers' MoE models hold their experts as 3-D parameters (Mixtral's and Qwe
 to patch, and a gated MLP per expert whose gate, up and product outputs autograd keeps for every
 routed token (``k`` copies of the MLP's width per token). **Found by what they hold**
 (:func:`is_experts`): a module whose own parameters all share a leading dimension ``E > 1``, at
-least one of them 3-D (the per-expert matrices; per-expert biases are 2-D), whose children hold no
+least two of them 3-D (the per-expert matrices; per-expert biases are 2-D), whose children hold no
 parameters (its activation), whatever its names or its dispatch (a loop over the experts, grouped
 or batched matmuls).
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from ..codes import SharedCode, code_of, make_code
 from ..compiling import eager_island
@@ -46,11 +47,13 @@ EXPERTS = ("stored", "recompute", "coded")
 
 def is_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds a mixture of experts as stacked parameters (module docstring,
-    "Found by what they hold")."""
+    "Found by what they hold"): two or more 3-D parameters, every parameter of its own sharing
+    their leading dimension, no parameters in its children, not one of PyTorch's layers (a
+    convolution's weight is 3-D too)."""
     params = [p for _, p in module.named_parameters(recurse=False)]
-    return (len(params) >= 1 and any(p.dim() == 3 for p in params)
-            and all(p.dim() >= 2 for p in params) and len({p.shape[0] for p in params}) == 1
-            and params[0].shape[0] > 1
+    return (sum(p.dim() == 3 for p in params) >= 2 and all(p.dim() >= 2 for p in params)
+            and len({p.shape[0] for p in params}) == 1 and params[0].shape[0] > 1
+            and not type(module).__module__.startswith("torch.")
             and not any(True for c in module.children() for _ in c.parameters()))
 
 
@@ -70,8 +73,17 @@ class _ExpertsFromCode(torch.autograd.Function):
         ctx.plain = [None if t else a for a, t in zip(args, ctx.tensor_args, strict=True)]
         ctx.save_for_backward(x.detach() if code is None else code.payload, *params,
                               *(a for a in args if isinstance(a, Tensor)))
+        # The random state forward starts from, for backward's run to draw the same numbers (a
+        # dropout in the experts' forward), as torch.utils.checkpoint does.
+        ctx.devices = [x.device] if x.device.type == "cuda" else []
+        ctx.rng = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]
         with torch.no_grad():
-            return _call(module, x, args, keys)
+            out = _call(module, x, args, keys)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"{type(module).__name__} returns {type(out).__name__}, not one tensor: "
+                            "experts='recompute' and 'coded' make one output again; pass "
+                            "experts='stored'")
+        return out
 
     @staticmethod
     @first_order
@@ -86,9 +98,12 @@ class _ExpertsFromCode(torch.autograd.Function):
         args = [a.detach().requires_grad_(True) if isinstance(a, Tensor)
                 and a.is_floating_point() and need else a
                 for a, need in zip(args, ctx.needs_input_grad[6 + ctx.n_params:], strict=True)]
-        with torch.enable_grad(), torch.autocast(x.device.type,
-                                                 dtype=ctx.autocast or torch.bfloat16,
-                                                 enabled=ctx.autocast is not None):
+        with torch.random.fork_rng(devices=ctx.devices), torch.enable_grad(), \
+                torch.autocast(x.device.type, dtype=ctx.autocast or torch.bfloat16,
+                               enabled=ctx.autocast is not None):
+            torch.set_rng_state(ctx.rng[0])
+            for device, state in zip(ctx.devices, ctx.rng[1], strict=True):
+                torch.cuda.set_rng_state(state, device)
             out = _call(ctx.module, x, args, ctx.keys)
         wanted = [t for t in (*inputs, *params, *args) if isinstance(t, Tensor)
                   and t.requires_grad]
@@ -121,7 +136,9 @@ class CodedExperts:
     def __call__(self, x: Tensor, *args, **kwargs) -> Tensor:
         module = self.module
         params = [p for _, p in module.named_parameters(recurse=False)]
-        if not (module.training and torch.is_grad_enabled()
+        # A parametrization (peft's LoRA on the experts' parameters, put on for its call) makes
+        # the weights of parameters this forward does not see: the module's own forward.
+        if parametrize.is_parametrized(module) or not (module.training and torch.is_grad_enabled()
                 and (self.bits is None or x.dtype == torch.float32)
                 and (x.requires_grad or any(p.requires_grad for p in params))):
             return type(module).forward(module, x, *args, **kwargs)

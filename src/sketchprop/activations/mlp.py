@@ -141,8 +141,8 @@ def _candidates(mlp: nn.Module) -> list[GatedLayout]:
 
 def _probe(mlp: nn.Module, layouts: list[GatedLayout]) -> GatedLayout | None:
     """The one of ``layouts`` whose composition is ``mlp``'s forward bit for bit, on a random
-    input with random weights (its own untouched), every module in eval mode for the probe (so
-    that a LoRA dropout draws nothing); None where none is."""
+    input with random weights (its own untouched), in training mode (each evaluation drawing the
+    same random numbers) and in eval mode; None where none is."""
     g = torch.Generator().manual_seed(0)
     params = dict(mlp.named_parameters())
     if not params:
@@ -168,26 +168,36 @@ def _probe(mlp: nn.Module, layouts: list[GatedLayout]) -> GatedLayout | None:
             child, {k[len(name) + 1:]: v for k, v in random.items() if k.startswith(name + ".")},
             (x,))
 
+    def composed(layout: GatedLayout, x: Tensor) -> Tensor:
+        if layout.half is None:
+            gate, up = call(layout.gate, x), call(layout.up, x)
+        else:
+            gate, up = _halves(call(layout.gate, x), layout.half)
+        return call(layout.down, GATES[layout.gate_fn][0](gate) * up)
+
+    def seeded(fn, *args) -> Tensor:
+        # In training, each evaluation draws the same numbers: a LoRA dropout of a projection
+        # draws alike in both, a dropout of the MLP's own only in its forward (then no match).
+        with torch.random.fork_rng(devices=[p0.device] if p0.device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return fn(*args)
+
     try:
-        mlp.eval()
         with torch.no_grad():
             x = torch.randn(3, _features(getattr(mlp, layouts[0].gate))[0],
                             generator=g).to(p0.device, p0.dtype)
-            want = torch.func.functional_call(mlp, random, (x,))
-            for layout in layouts:
-                if layout.half is None:
-                    gate, up = call(layout.gate, x), call(layout.up, x)
-                else:
-                    gate, up = _halves(call(layout.gate, x), layout.half)
-                got = call(layout.down, GATES[layout.gate_fn][0](gate) * up)
-                if isinstance(want, Tensor) and torch.equal(got, want):
-                    return layout
+            found = []
+            for training in (True, False):  # its computation in either mode
+                mlp.train(training)
+                want = seeded(torch.func.functional_call, mlp, random, (x,))
+                found.append([layout for layout in layouts if isinstance(want, Tensor)
+                              and torch.equal(seeded(composed, layout, x), want)])
     except Exception:  # a module that cannot run on this input is not one we know
         return None
     finally:
         for m, mode in modes.items():
             m.training = mode
-    return None
+    return next((layout for layout in found[0] if layout in found[1]), None)
 
 
 _LAYOUT = "_sketchprop_gated_layout"
@@ -400,10 +410,15 @@ def forget_mlp_check(module: nn.Module) -> None:
     module.__dict__.pop(_LAYOUT, None)
 
 
-def _dropping(mlp: nn.Module, layout: GatedLayout) -> bool:
-    """Whether a dropout of the MLP draws now (its ``p`` set above 0 after patching): then the
-    module's own forward runs."""
-    return any(getattr(mlp, n).p != 0 and getattr(mlp, n).training for n in layout.drops)
+def _own_forward_needed(mlp: nn.Module, layout: GatedLayout) -> bool:
+    """Whether the module's own forward runs in this call: a dropout of the MLP draws (its ``p``
+    set above 0 after patching), or a hook may act on its activation or down projection, which
+    the parts' forwards do not call as modules (they compute the gate, and call the down
+    projection's weight)."""
+    return any(getattr(mlp, n).p != 0 and getattr(mlp, n).training for n in layout.drops) \
+        or forward_hooks_on([getattr(mlp, layout.act), *getattr(mlp, layout.down).modules()]) \
+        or bool(getattr(mlp, layout.down)._backward_hooks
+                or getattr(mlp, layout.down)._backward_pre_hooks)
 
 
 @eager_island
@@ -415,7 +430,7 @@ def gated_mlp_input_forward(self: nn.Module, x: Tensor, code: SharedCode | None 
     at its ``version``: :class:`CodedGatedMLP`), it keeps the code and backward computes them from
     the decoded input, unless ``x`` changed in place since (a hook on a projection): then ``x``."""
     layout = gated_layout(self)
-    if _dropping(self, layout):
+    if _own_forward_needed(self, layout):
         return type(self).forward(self, x)
     g, u = layout.gate_up(self, x)
     if code is not None and x._version != version:
@@ -467,7 +482,7 @@ def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward :func:`~sketchprop.patch_activations` gives a gated MLP (bound to it): the
     model's own arithmetic, keeping the gate and up outputs only (module docstring)."""
     layout = gated_layout(self)
-    if _dropping(self, layout):
+    if _own_forward_needed(self, layout):
         return type(self).forward(self, x)
     return _gated_rest(self, layout, *layout.gate_up(self, x))
 

@@ -33,10 +33,13 @@ largest output; on MiniLM these are the same columns).
 **RMSNorm** (``rmsnorm="compact"``, :class:`RMSNormFunction`): keeps its input and one float32
 statistic per row (``1 / rms``); backward makes the normalised input again. Exact. Applied to
 any module with one 1-D weight and a float ``eps`` (or ``variance_epsilon``) that computes one
-of the two forms transformers' models use, whatever its name: Llama's ``weight * (x / rms(x))``,
-cast to the input's dtype before the product, or Gemma's ``((x / rms(x)) * (1 + weight))``, cast
-after it (:func:`rms_norm_form`, checked on a random input and weight, in float32 and with a
-bfloat16 input, before anything changes; T5's, which casts to the weight's dtype, is neither).
+of the forms transformers' models use, whatever its name (:data:`RMS_FORMS`): Llama's ``weight
+* (x / rms(x))``, cast to the input's dtype before the product, Gemma's ``((x / rms(x)) * (1 +
+weight))``, cast after it, or T5's, cast to the weight's dtype (:func:`rms_norm_form`, checked on
+a random input and weight, in float32 and with bfloat16 inputs and weights, before anything
+changes). T5's, and any with an input of another dtype than its weight (bfloat16 activations
+under autocast, a float32 weight), keeps its input only and runs its ops again in backward
+(:class:`_RecomputedRMSNorm`, bit for bit the module's gradients).
 
 **Coded RMSNorm** (:class:`CodedRMSNorm`, ``rmsnorm="coded"``, the lean preset): as LayerNorm's
 "Coded", for RMSNorm: the output is kept as a ``b``-bit code, filed for the next layers (Q, K, V
@@ -254,6 +257,51 @@ def is_layernorm(module: nn.Module) -> bool:
 # RMSNorm.
 
 
+#: The RMSNorm forms :func:`rms_norm_form` tells apart (module docstring, "RMSNorm").
+RMS_FORMS = ("llama", "gemma", "t5")
+
+
+def rms_norm_value(x: Tensor, weight: Tensor, eps: float, form: str = "llama") -> Tensor:
+    """An RMSNorm's output over ``x``'s last dimension, by the module's own ops in their order, in
+    one of :data:`RMS_FORMS`: Llama's ``weight * n.to(x.dtype)``, Gemma's ``(n * (1 +
+    weight)).to(x.dtype)``, ``n = x.float() * rsqrt(mean(x^2) + eps)``, or T5's ``weight *
+    (x * rsqrt(...))``, cast to the weight's dtype first where it is half precision."""
+    xf = x.to(torch.float32)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if form == "t5":
+        n = x * r
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            n = n.to(weight.dtype)
+        return weight * n
+    if form == "gemma":
+        return (xf * r * (1.0 + weight.float())).to(x.dtype)
+    return weight * (xf * r).to(x.dtype)
+
+
+class _RecomputedRMSNorm(torch.autograd.Function):
+    """An RMSNorm of a form without a backward of its own here (T5's), keeping its input only:
+    backward runs :func:`rms_norm_value` again under autograd, the very ops of the module, so
+    its gradients are the module's bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, form: str) -> Tensor:
+        ctx.eps, ctx.form = eps, form
+        ctx.save_for_backward(x, weight)
+        return rms_norm_value(x, weight, eps, form)
+
+    @staticmethod
+    @first_order
+    def backward(ctx, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        x, weight = (t.detach().requires_grad_(need)
+                     for t, need in zip((x, weight), ctx.needs_input_grad[:2], strict=True))
+        with torch.enable_grad():
+            y = rms_norm_value(x, weight, ctx.eps, ctx.form)
+        wanted = [t for t in (x, weight) if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, dy))
+        return (*(next(grads) if t.requires_grad else None for t in (x, weight)), None, None)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """An RMSNorm keeping its input ``x`` and the float32 ``rsqrt`` per row; backward makes the
     normalised input ``n = x.float() * rsqrt(mean(x^2) + eps)`` again. ``offset=False``: Llama's
@@ -337,7 +385,7 @@ def _rms_eps(module: nn.Module) -> float | None:
 _FORM = "_sketchprop_rms_form"
 
 
-def _find_form(module: nn.Module) -> bool | None:
+def _find_form(module: nn.Module) -> str | None:
     w = getattr(module, "weight", None)
     eps = _rms_eps(module)
     if not (isinstance(w, nn.Parameter) and w.dim() == 1 and eps is not None
@@ -349,22 +397,23 @@ def _find_form(module: nn.Module) -> bool | None:
     x = torch.randn(3, 48, generator=g).to(w.device)
     weight = torch.randn(48, generator=g).to(w.device)
     with torch.no_grad():
-        for offset in (False, True):
-            try:  # float32, then a bfloat16 input: the cast's place tells the forms apart
-                if all(torch.equal(torch.func.functional_call(module, {"weight": weight}, (t,)),
-                                   RMSNormFunction.apply(t, weight, eps, offset))
-                       for t in (x, x.bfloat16())):
-                    return offset
+        for form in RMS_FORMS:
+            try:  # float32, then a bfloat16 input and weight: the casts' places tell them apart
+                if all(torch.equal(torch.func.functional_call(module, {"weight": v}, (t,)),
+                                   rms_norm_value(t, v, eps, form))
+                       for t, v in ((x, weight), (x.bfloat16(), weight),
+                                    (x, weight.bfloat16()))):
+                    return form
             except Exception:  # a norm that cannot run on this input is not one we know
                 return None
     return None
 
 
-def rms_norm_form(module: nn.Module) -> bool | None:
-    """How ``module`` computes, if it is an RMSNorm: False for Llama's form, True for Gemma's
-    ``(1 + weight)`` one (module docstring, "RMSNorm"), None where it is neither. Found from what
-    it computes on a random input and weight (its own weight untouched), whatever its name; kept
-    in the module once found."""
+def rms_norm_form(module: nn.Module) -> str | None:
+    """How ``module`` computes, if it is an RMSNorm: one of :data:`RMS_FORMS` (module
+    docstring, "RMSNorm"), None where it is none of them. Found from what it computes on a random
+    input and weight (its own weight untouched), whatever its name; kept in the module once
+    found."""
     form = module.__dict__.get(_FORM)
     if form is None:
         form = _find_form(module)
@@ -388,7 +437,12 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     """The forward :func:`~sketchprop.patch_activations` gives an RMSNorm (bound to it)."""
     if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
         return type(self).forward(self, x)
-    return RMSNormFunction.apply(x, self.weight, _rms_eps(self), rms_norm_form(self))
+    form = rms_norm_form(self)
+    if form == "t5" or x.dtype != self.weight.dtype:
+        # T5's, and a half precision input under a float32 weight (autocast): the module's ops
+        # again, bit for bit where the fused backward below would round otherwise.
+        return _RecomputedRMSNorm.apply(x, self.weight, _rms_eps(self), form)
+    return RMSNormFunction.apply(x, self.weight, _rms_eps(self), form == "gemma")
 
 
 class CodedRMSNorm:
@@ -412,7 +466,7 @@ class CodedRMSNorm:
         if not (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
             return type(module).forward(module, x)
         made: list = []
-        offset = float(rms_norm_form(module))
+        offset = float(rms_norm_form(module) == "gemma")  # T5's is Llama's in float32
         y = _CodedRMSNormFunction.apply(x.reshape(-1, x.shape[-1]), module.weight,
                                         _rms_eps(module),
                                         _kept_columns(module, None, self.group, offset),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..layers import RandomizedLinear
+from ..layers import _Sketched, conv1d_class
 
 
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:
@@ -27,11 +27,15 @@ def forward_hooks_on(modules) -> bool:
 
 
 def _linear_weights(module) -> tuple[Tensor, Tensor | None] | None:
-    """``(weight, bias)`` such that ``module(x) == F.linear(x, weight, bias)``: nn.Linear and
-    :class:`~sketchprop.layers.RandomizedLinear` (whose forward is that ``F.linear``); None for
-    anything else (peft's LoRA layers, subclasses with a forward of their own)."""
+    """``(weight, bias)`` such that ``module(x) == F.linear(x, weight, bias)``: nn.Linear,
+    transformers' Conv1D (its ``(in, out)`` weight transposed) and the library's layers in their
+    place (:class:`~sketchprop.layers.RandomizedLinear`, whose forward is that ``F.linear``);
+    None for anything else (peft's LoRA layers, subclasses with a forward of their own)."""
     if type(module) is nn.Linear:
         return module.weight, module.bias
-    if isinstance(module, RandomizedLinear):
+    if isinstance(module, _Sketched):
         return (module.weight.T if module.fan_in_fan_out else module.weight), module.bias
+    conv1d = conv1d_class()
+    if conv1d is not None and type(module) is conv1d:
+        return module.weight.T, module.bias
     return None

@@ -113,16 +113,17 @@ def patch_activations(
         attention: ``"recompute"`` (the model's attention function becomes
             :func:`~sketchprop.activations.recompute_attention`: the probabilities and their
             dropout mask are recomputed in backward, and Q, K, V too, from the self-attention
-            block's input, where its projections are linear layers of BERT's naming; grouped
-            key/value heads are kept unrepeated; exact) or ``"stored"``. Left to its default,
-            it is left on a model whose SDPA or flash attention has no dropout and whose Q, K,
-            V are not BERT-style projections (a Llama fine-tuned without attention dropout):
-            that attention keeps no probabilities, and recomputing would save at most its
+            block's input, through whatever linear projections make them, found on the first call
+            by what they compute: separate or fused QKV, GPT-2's Conv1D, any names, a QK-norm
+            between (:func:`~sketchprop.activations.is_attention_block`); grouped key/value heads
+            are kept unrepeated; exact) or ``"stored"``. Left to its default, it is left on a model
+            whose SDPA or flash attention has no dropout and whose blocks are rotary (a Llama fine-
+            tuned without attention dropout): that attention keeps no probabilities, the exact
+            recompute does not make rotated Q and K again, and recomputing would save at most its
             output and, in a padded batch, SDPA's per-layer float mask, for a second pass in
             backward. ``"coded"``: as ``"recompute"``, from a ``code_bits``-bit code of the block's
-            input (:class:`~sketchprop.activations.CodeAttentionInput`; not exact), Q and K
-            rotated again in a Llama-style block (applied there even where ``"recompute"`` is
-            left by default).
+            input (:class:`~sketchprop.activations.CodeAttentionInput`; not exact), Q and K rotated
+            again in a rotary block (applied there even where ``"recompute"`` is left by default).
         gelu_bits: bits of the code of GELU's derivative kept instead of its input
             (:class:`~sketchprop.activations.CompactGELU` in place of each exact GELU module,
             :class:`~sketchprop.activations.CompactTanhGELU` in place of each tanh-form GELU, GPT-2's
@@ -354,8 +355,8 @@ def patch_activations(
         # Self-attention modules hand their input to the attention function, which keeps it in
         # place of Q, K and V where it can make them again (sketchprop.activations.attention).
         state["hooks"] = [
-            hook for n, m in owner.named_modules() if act.has_projections(m)
-            or (attention == "coded" and act.has_rope_projections(m))
+            hook for n, m in owner.named_modules() if act.is_attention_block(m)
+            and (attention == "coded" or not act.takes_rope(m))
             for hook in (m.register_forward_pre_hook(
                 act.keep_attention_input if attention == "recompute" else
                 act.CodeAttentionInput(code_bits, code_group, name=n), with_kwargs=True),

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.utils import parametrize
 
 from ..allocation import ALLOCATIONS, VarianceAllocation
 from ..layers import (
@@ -92,25 +93,39 @@ def _swap(model: nn.Module, replacements: Mapping[str, nn.Module]) -> list[str]:
 
 
 def _computes_linear(module: nn.Linear) -> bool:
-    """Whether an ``nn.Linear`` subclass's own forward is ``F.linear(x, weight, bias)`` (to float
-    rounding), on a random input with its own weights (a weight that is not a float ``(out, in)``
-    matrix, as a quantized one, is not)."""
+    """Whether an ``nn.Linear`` subclass computes ``F.linear(x, weight, bias)`` and holds nothing
+    else: no parameters, buffers, children or parametrizations besides its float ``(out, in)``
+    ``weight`` Parameter and its ``bias`` (what :class:`~sketchprop.RandomizedLinear` keeps), and
+    a forward that is the same map (to float rounding) on a random input with random weights, in
+    training and in eval mode (a dropout of the weight differs in training)."""
+    weight = module.weight
+    if parametrize.is_parametrized(module) or list(module.children()) or list(module.buffers()) \
+            or not isinstance(weight, nn.Parameter) or not weight.is_floating_point() \
+            or tuple(weight.shape) != (module.out_features, module.in_features) \
+            or {n for n, _ in module.named_parameters()} - {"weight", "bias"}:
+        return False
     if type(module).forward is nn.Linear.forward:
         return True
-    weight, bias = module.weight, module.bias
-    if not (isinstance(weight, torch.Tensor) and weight.is_floating_point()
-            and tuple(weight.shape) == (module.out_features, module.in_features)):
-        return False
-    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
-    x = x.to(weight.device, weight.dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, module.in_features, generator=g).to(weight.device, weight.dtype)
+    random = {n: torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+              for n, p in module.named_parameters()}
     tol = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 1e-2
+    mode = module.training
     try:
-        with torch.no_grad():  # the class's forward, not the module's hooks
-            got = type(module).forward(module, x)
-            return isinstance(got, torch.Tensor) and torch.allclose(
-                got, F.linear(x, weight, bias), rtol=tol, atol=tol * float(got.abs().max()))
+        with torch.no_grad():
+            for training in (True, False):
+                module.train(training)
+                got = torch.func.functional_call(module, random, (x,))
+                want = F.linear(x, random["weight"], random.get("bias"))
+                if not (isinstance(got, torch.Tensor) and torch.allclose(
+                        got, want, rtol=tol, atol=tol * float(want.abs().max()))):
+                    return False
+        return True
     except Exception:  # a forward that cannot run on this input is not the linear map
         return False
+    finally:
+        module.train(mode)
 
 
 def _is_linear(module: nn.Module) -> bool:
