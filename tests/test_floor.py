@@ -144,8 +144,9 @@ def test_what_is_kept_as_it_is_and_what_is_coded():
 def test_what_a_part_offers_is_coded_and_only_under_a_floor():
     """A custom Function's saves that it hands to the floor (``offer``) are coded; without a
     floor open, offering does nothing. The attention that keeps Q, K and V (DistilBERT's, whose
-    query projection a hook feeds another input, so that they cannot be made again) offers them: under lean with the floor none of them is
-    kept in full, without the floor all six (two layers) are."""
+    query projection a hook feeds another input, so that they cannot be made again) offers them:
+    under lean with the floor none of them is kept in full, without the floor all six (two
+    layers) are."""
     class Offered(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
