@@ -272,7 +272,7 @@ def test_recompute_projects_only_the_rows_backward_reads(case, monkeypatch):
 
     def grads(code=None):
         out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs,
-                                                      SLICES, (), code)
+                                                      SLICES, (), "block", code)
         seen.clear()
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -302,7 +302,7 @@ def test_exact_recompute_makes_every_row_where_fewer_round_otherwise(monkeypatch
 
     def grads():
         out = act.attention._ProjectedAttention.apply(q, k, v, mask, 0.5, 0.3, seed, x, pairs,
-                                                      SLICES, ())
+                                                      SLICES, (), "block")
         seen.clear()
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -310,6 +310,17 @@ def test_exact_recompute_makes_every_row_where_fewer_round_otherwise(monkeypatch
     assert seen == [10] * 3 + [12] * 3
     monkeypatch.setattr(act.attention, "same_rows", lambda *a: True)
     assert not all(torch.equal(a, b) for a, b in zip(grads(), kept, strict=True))
+
+
+def test_exact_recompute_raises_where_no_row_made_again_is_forwards(monkeypatch):
+    """Q, K, V that are not the projections of the kept input (a scale between that changed since
+    the layout was found): backward's rows match forward's fingerprints neither over the rows it
+    reads nor over all of them, and it raises rather than give other gradients."""
+    x, pairs, q, k, v, mask, dout, seed, seen = padded_attention("padded", monkeypatch)
+    out = act.attention._ProjectedAttention.apply(q * 2, k, v, mask, 0.5, 0.3, seed, x, pairs,
+                                                  SLICES, (), "block")
+    with pytest.raises(RuntimeError, match="block's Q, K, V made again in backward are not"):
+        torch.autograd.grad(out, (q, k, v), dout)
 
 
 def test_fingerprint_sees_one_float_step_in_any_layout():

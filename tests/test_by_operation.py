@@ -23,6 +23,13 @@ RTOL, GTOL = 1e-5, 1e-7
 H, FF = 64, 96
 
 
+def activation(name: str) -> nn.Module:
+    from transformers.activations import NewGELUActivation
+
+    return {"relu": nn.ReLU(), "silu": nn.SiLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh"),
+            "gelu_new": NewGELUActivation()}[name]
+
+
 class Fused(nn.Module):
     """A fused gate-and-up MLP; ``first``: the first half is the gate (Phi-3), else the second."""
 
@@ -30,7 +37,7 @@ class Fused(nn.Module):
         super().__init__()
         self.wide = nn.Linear(H, 2 * FF)
         self.narrow = nn.Linear(FF, H)
-        self.f = {"silu": nn.SiLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh")}[gate]
+        self.f = activation(gate)
         self.p = nn.Dropout(dropout)
         self.first = first
 
@@ -48,7 +55,7 @@ class Separate(nn.Module):
         super().__init__()
         self.one, self.two = nn.Linear(H, FF, bias=False), nn.Linear(H, FF, bias=False)
         self.three = nn.Linear(FF, H, bias=False)
-        self.nl = {"silu": nn.SiLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh")}[gate]
+        self.nl = activation(gate)
         self.add = add
 
     def forward(self, x):
@@ -531,16 +538,27 @@ def test_experts_made_again_see_what_their_forward_sees(case):
     assert_same(grads(model, data()), grads(ref, data()))
 
 
-def test_what_experts_cannot_make_again_is_said_or_left():
+def test_experts_returning_several_tensors_are_made_again_and_other_outputs_said():
     class Pair(Bank):
         def forward(self, x, choice, weight):
             return super().forward(x, choice, weight), choice
 
+    class Labelled(Bank):
+        def forward(self, x, choice, weight):
+            return super().forward(x, choice, weight), "a label"
+
+    torch.manual_seed(0)
     model = Routed()
     model.bank = Pair()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.forward = lambda x, m=m: Routed.forward(m, x)[0]
     patch_activations(model.bank, experts="recompute")
-    with pytest.raises(TypeError, match="not one tensor.*experts='stored'"):
-        model.bank(data().reshape(-1, H), *model.router(data().reshape(-1, H)).topk(2)[::-1])
+    assert_same(grads(model, data()), grads(ref, data()))
+    model.bank = Labelled()
+    patch_activations(model.bank, experts="recompute")
+    with pytest.raises(TypeError, match="other things than tensors.*experts='stored'"):
+        model(data())
     assert not act.is_experts(nn.Conv1d(4, 8, 3, bias=False))  # a 3-D weight, not experts
 
 
@@ -591,3 +609,156 @@ def test_linear_subclasses_holding_or_doing_more_are_left():
         keys = set(model.state_dict())
         assert patch_linear(model, sketch="exact") == ["1"]
         assert set(model.state_dict()) == keys and model[0] is layer
+
+
+class Plain(nn.Module):
+    """A plain MLP under names no model uses."""
+
+    def __init__(self, gate="relu"):
+        super().__init__()
+        self.wide, self.narrow = nn.Linear(H, FF), nn.Linear(FF, H)
+        self.nl = activation(gate)
+
+    def forward(self, x):
+        return self.narrow(self.nl(self.wide(x)))
+
+
+@pytest.mark.parametrize("gate", ["relu", "gelu", "silu", "gelu_new"])
+def test_a_plain_mlp_is_made_again_from_its_input_under_input_and_coded_only(gate):
+    torch.manual_seed(0)
+    model = Block(Plain(gate))
+    assert act.is_plain_mlp(model.mlp) and not act.is_gated_mlp(model.mlp)
+    ref = copy.deepcopy(model)
+    names = patch_activations(model, mlp="input", dropout="stored", gelu_bits=None,
+                              attention="stored", lm_loss="stored")
+    assert names == ["mlp"]
+    assert_same(grads(model, data()), grads(ref, data()))
+    unpatch_activations(model)
+    if gate == "gelu":  # left to the GELU part where the MLP part does not make it again
+        assert patch_activations(Block(Plain(gate)), attention="stored",
+                                 lm_loss="stored") == ["mlp.nl"]
+
+
+def test_gpt2s_gelu_new_is_told_from_the_tanh_gelu_and_made_again_exactly():
+    import transformers as tf
+
+    assert act.gate_of(tf.activations.NewGELUActivation()) == "gelu_new"
+    assert act.gate_of(nn.GELU("tanh")) == "gelu_tanh"
+
+
+@pytest.mark.parametrize("width", ["tiny", "wide"])
+def test_an_attention_of_its_own_is_made_again_whole_from_its_input_code(width):
+    """DeBERTa's disentangled attention calls no attention interface: under attention="coded"
+    the whole block runs again in backward from its input's code (at 8 bits, within the code's
+    rounding of the exact gradients), and an explicit attention="coded" no longer refuses."""
+    w = {"tiny": fam.TINY, "wide": fam.WIDE}[width]
+
+    def run(setup=None):
+        model = fam.build("deberta-v2", w)
+        if setup:
+            setup(model)
+        loss = model(**fam.make_batch("deberta-v2", model)).loss
+        nodes = backward_nodes(loss)
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, nodes
+
+    want, _ = run()
+    got, nodes = run(lambda m: patch_activations(m, attention="coded", code_bits=8,
+                                                 dropout="stored", gelu_bits=None,
+                                                 layernorm="stored"))
+    assert "_FromInputBackward" in nodes and set(got) == set(want)
+    num = torch.stack([(got[n] - want[n]).norm() ** 2 for n in want]).sum()
+    den = torch.stack([want[n].norm() ** 2 for n in want]).sum()
+    assert num < 1e-3 * den  # 8 bits: 1/255 of a group's range per value
+    with pytest.raises(ValueError, match="does not call its attention"):
+        patch_activations(fam.build("deberta-v2"), attention="recompute")
+
+
+EXACT_ATTENTION = dict(dropout="stored", gelu_bits=None, layernorm="stored", mlp="stored",
+                       rmsnorm="stored", lm_loss="stored")
+
+
+def family_grads(model, batch):
+    model.zero_grad()
+    model(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_layout_that_candidates_match_alike_is_not_kept():
+    """Qwen3's q_norm and k_norm are equal at initialisation: K matches with either, so the layout
+    is found again on the next call, and once they differ, each has its own."""
+    model = fam.build("qwen3")
+    batch = fam.make_batch("qwen3", model)
+    patch_activations(model, attention="coded", **EXACT_ATTENTION)
+    attn = model.model.layers[0].self_attn
+    family_grads(model, batch)
+    assert attn.__dict__.get(act.attention._CHECKED) is None
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.uniform_(0, 2)
+    family_grads(model, batch)
+    assert attn.__dict__[act.attention._CHECKED][1] == ("q_norm", "k_norm")
+
+
+def test_tied_q_and_k_at_first_then_apart_stay_exact():
+    """GPT-2 with K's columns of c_attn equal to Q's on the first call (a tied initialisation):
+    K is not read from Q's columns after they part."""
+    ref = fam.build("gpt2")
+    batch = fam.make_batch("gpt2", ref)
+    untied = copy.deepcopy(ref.state_dict())
+    with torch.no_grad():
+        for block in ref.transformer.h:
+            block.attn.c_attn.weight[:, 64:128] = block.attn.c_attn.weight[:, :64]
+            block.attn.c_attn.bias[64:128] = block.attn.c_attn.bias[:64]
+    model = copy.deepcopy(ref)
+    patch_activations(model, attention="recompute", **EXACT_ATTENTION)
+    family_grads(model, batch)
+    ref.load_state_dict(untied)
+    model.load_state_dict(untied)
+    assert_same(family_grads(model, batch), family_grads(ref, batch))
+
+
+def test_q_k_v_that_stop_being_the_inputs_projections_are_found_again_or_kept():
+    """A block that scales its input by a learned factor (1 on the first call, 2 after), and a
+    hook on a QK-norm added after the first call: the next call's Q, K, V are not the layout's,
+    so the block keeps them (with a warning); its gradients stay the unpatched model's."""
+    from transformers.models.distilbert import modeling_distilbert as md
+
+    class Scaled(md.DistilBertSelfAttention):
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            hidden_states = hidden_states * self.alpha
+            shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+            q, k, v = (lin(hidden_states).view(shape).transpose(1, 2)
+                       for lin in (self.q_lin, self.k_lin, self.v_lin))
+            fn = md.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          md.eager_attention_forward)
+            out, w = fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                        **kwargs)
+            return self.out_lin(out.reshape(*hidden_states.shape[:-1], -1)), w
+
+    ref = fam.build("distilbert")
+    batch = fam.make_batch("distilbert", ref)
+    for m in ref.modules():
+        if type(m) is md.DistilBertSelfAttention:
+            m.__class__, m.alpha = Scaled, nn.Parameter(torch.ones(()))
+    model = copy.deepcopy(ref)
+    patch_activations(model, attention="recompute", **EXACT_ATTENTION)
+    family_grads(model, batch)
+    for m in (ref, model):
+        for layer in m.distilbert.transformer.layer:
+            layer.attention.alpha.data.fill_(2.0)
+    with pytest.warns(UserWarning, match="keeps Q, K and V"):
+        got = family_grads(model, batch)
+    assert_same(got, family_grads(ref, batch))
+
+    ref = fam.build("qwen3")
+    batch = fam.make_batch("qwen3", ref)
+    model = copy.deepcopy(ref)
+    patch_activations(model, attention="coded", **EXACT_ATTENTION)
+    family_grads(model, batch)
+    for m in (ref, model):
+        for layer in m.model.layers:
+            layer.self_attn.q_norm.register_forward_hook(lambda mod, args, out: out * 2.0)
+    with pytest.warns(UserWarning, match="keeps Q, K and V"):
+        got = family_grads(model, batch)
+    assert_same(got, family_grads(ref, batch))

@@ -22,7 +22,9 @@ part the model has); each module's docstring says what its part keeps and why:
 - :mod:`~sketchprop.activations.mlp`: the gated MLP's forwards (SiLU or GELU gate, separate or
   fused gate and up, found by :func:`gated_layout`), :class:`CodedGatedMLP` (``mlp=``).
 - :mod:`~sketchprop.activations.experts`: a mixture of experts held as stacked parameters, made
-  again in backward from its input or a code of it, :class:`CodedExperts` (``experts=``).
+  again in backward from its input or a code of it, :class:`CodedExperts` (``experts=``); the
+  module made again, :class:`RecomputedModule` (:mod:`~sketchprop.activations.recompute`), also
+  takes an attention block of its own (DeBERTa's) under ``attention="coded"``.
 - :mod:`~sketchprop.activations.loss`: :func:`chunked_lm_loss` (``lm_loss=``).
 - :mod:`~sketchprop.activations.floor`: :class:`Floor` (``floor_bits=``): whatever the parts
   above leave, on any model, as one b-bit code per saved storage.
@@ -45,6 +47,7 @@ from .attention import (
     has_projections,
     has_rope_projections,
     is_attention_block,
+    is_own_attention,
     keep_attention_input,
     recompute_attention,
     register_attention,
@@ -81,6 +84,7 @@ from .mlp import (
     gated_mlp_forward,
     gated_mlp_input_forward,
     is_gated_mlp,
+    is_plain_mlp,
     keeps_input,
 )
 from .norms import (
@@ -94,6 +98,7 @@ from .norms import (
     rms_norm_form,
     rms_norm_forward,
 )
+from .recompute import RecomputedModule
 from .seeds import keep_mask
 
 __all__ = [
@@ -120,6 +125,7 @@ __all__ = [
     "OutputLayerNorm",
     "PackedDropout",
     "RMSNormFunction",
+    "RecomputedModule",
     "SeededDropout",
     "GATES",
     "GatedLayout",
@@ -136,12 +142,14 @@ __all__ = [
     "has_projections",
     "has_rope_projections",
     "is_attention_block",
+    "is_own_attention",
     "takes_rope",
     "is_exact_gelu",
     "is_experts",
     "gate_of",
     "gated_layout",
     "is_gated_mlp",
+    "is_plain_mlp",
     "is_layernorm",
     "is_rms_norm",
     "rms_norm_form",

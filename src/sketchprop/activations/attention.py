@@ -8,9 +8,14 @@ dropout mask) in backward, as Megatron-LM's selective recomputation does (Korthi
 block's input, from which backward makes Q, K and V again with the projections' weights: one
 activation of the hidden size instead of three, for a second Q/K/V projection in backward
 (where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
-Exact, bit for bit: on a padded batch backward projects only the rows it reads, and checks them
-against fingerprints of forward's Q, K, V (:mod:`~sketchprop.activations.rows`; every row again
-where they differ). On CUDA it calls PyTorch's ``scaled_dot_product_attention``,
+Exact, bit for bit: on a padded batch backward projects only the rows it reads, and checks what it
+made against fingerprints of forward's Q, K, V, kept on every call
+(:mod:`~sketchprop.activations.rows`; every row again where they differ, and an error where those
+differ too: the block's Q, K, V are no longer the projections of its input found on its first
+call). Which projections make Q, K and V is found by what they compute
+(:func:`is_attention_block`), checked again each call on one row, and found again where candidates
+match alike (equal weights at initialisation).
+On CUDA it calls PyTorch's ``scaled_dot_product_attention``,
 whose memory-efficient and flash kernels already keep no probabilities (but keep Q, K and V).
 
 **Coded** (``attention="coded"``, the lean preset): the block's input is kept as its ``b``-bit
@@ -48,7 +53,7 @@ from ..rng import SeedStream
 from .floor import offer
 from .norms import _rms_eps, rms_norm_form, rms_norm_value
 from .projections import _linear_weights, forward_hooks_on
-from .rows import fingerprints, needed_rows, padded, same_rows
+from .rows import fingerprints, needed_rows, same_rows
 from .seeds import _draw_seed, _drop_threshold, keep_mask
 
 #: ``attention=`` values.
@@ -209,8 +214,9 @@ class _ProjectedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
-                pairs: tuple, slices: tuple, norms: tuple, code: SharedCode | None = None,
-                rope: tuple[Tensor, Tensor] | None = None, bias: Tensor | None = None):
+                pairs: tuple, slices: tuple, norms: tuple, module_name: str,
+                code: SharedCode | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                bias: Tensor | None = None):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
         ctx.slices, ctx.norms = slices, [(eps, form) for _, eps, form in norms]
         ctx.n_pairs = len(pairs)
@@ -223,7 +229,11 @@ class _ProjectedAttention(torch.autograd.Function):
         # would be kept twice (and Q, K, V made from its code are not forward's: no prints).
         x = x.detach() if code is None else code.payload
         ctx.coded = code is not None or offer(x)
-        prints = fingerprints(q, k, v) if not ctx.coded and padded(mask) else None
+        # Exact, every call keeps Q's, K's and V's fingerprints: backward checks what it made
+        # against them (a block whose Q, K, V stopped being these projections of its input since
+        # its layout was found raises there, rather than give other gradients).
+        prints = fingerprints(q, k, v) if not ctx.coded else None
+        ctx.module_name = module_name
         ctx.save_for_backward(mask, seed, bias, x,
                               *(rope or (None, None)), prints,
                               *(None if t is None else t.detach() for pair in pairs for t in pair),
@@ -250,8 +260,14 @@ class _ProjectedAttention(torch.autograd.Function):
             qkv = project(rows)
             if rows is not None and prints is not None and not same_rows(qkv, prints, rows):
                 qkv = project(None)  # a product over fewer rows rounded otherwise: all, as forward
+                rows = None
+            if prints is not None and not same_rows(qkv, prints, rows):
+                raise RuntimeError(
+                    f"{ctx.module_name}'s Q, K, V made again in backward are not forward's: its "
+                    "Q, K, V stopped being the projections of its input found on its first call "
+                    "(a hook, a scale or a module changed since); pass attention='stored'")
         dq, dk, dv, dbias = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed), bias)
-        return dq, dk, dv, *[None] * 10, dbias
+        return dq, dk, dv, *[None] * 11, dbias
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
@@ -289,6 +305,24 @@ def is_attention_block(module: nn.Module) -> bool:
     whatever their names and layout (separate, fused QKV, GPT-2's Conv1D)."""
     return (has_projections(module) or _calls_attention_interface(type(module))) \
         and bool(_projection_children(module))
+
+
+@functools.cache
+def _computes_softmax(cls: type) -> bool:
+    try:
+        return "softmax" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def is_own_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a self-attention block that computes its attention itself, not
+    through transformers' attention interface (DeBERTa's disentangled attention): three or more
+    linear projections of its own and a softmax in its forward. Under ``attention="coded"`` it
+    is made again in backward from the code of its input
+    (:class:`~sketchprop.activations.recompute.RecomputedModule`)."""
+    return not _calls_attention_interface(type(module)) and _computes_softmax(type(module)) \
+        and len(_projection_children(module)) >= 3
 
 
 def takes_rope(module: nn.Module) -> bool:
@@ -409,42 +443,64 @@ def forget_attention_check(module: nn.Module) -> None:
 
 def _hooked(module: nn.Module) -> bool:
     """Whether hooks may change what reaches or leaves the projections in this call: a forward
-    hook on a projection, a global forward hook, or a pre-hook on ``module`` besides
+    hook on a child (a projection, a QK-norm), a global forward hook, or a pre-hook on ``module`` besides
     :func:`keep_attention_input` (one added after it sees, and may change, the input after it
     was kept)."""
     return len(module._forward_pre_hooks) > 1 or forward_hooks_on(
-        c for _, c in _projection_children(module))
+        m for c in module.children() for m in c.modules())
 
 
 def _find_slices(module: nn.Module, x: Tensor, tensors: tuple[Tensor, Tensor, Tensor],
                  rope: tuple[Tensor, Tensor] | None) -> tuple | None:
-    """``(names, norm names, slices)``: the projections of ``module`` that make its Q, K and V
-    (``tensors``) from ``x``, the RMSNorms of its own that normalise a head (a QK-norm, Qwen3's
-    ``q_norm``) and, for each of the three, ``(index in names, first column, columns, index in
-    norm names or None)``, such that those columns of its source's output as heads, normalised
-    and (Q and K) rotated, are the tensor, bit for bit; None where some tensor is none of these."""
+    """``(names, norm names, slices, unique)``: the projections of ``module`` that make its Q, K
+    and V (``tensors``) from ``x``, the RMSNorms of its own that normalise a head (a QK-norm,
+    Qwen3's ``q_norm``) and, for each of the three, ``(index in names, first column, columns,
+    index in norm names or None)``, such that those columns of its source's output as heads,
+    normalised and (Q and K) rotated, are the tensor, bit for bit; ``unique``: whether each
+    tensor matched one candidate only (equal weights, as Q and K norms at initialisation, match
+    several: the layout then holds for this call, and is found again on the next). None where
+    some tensor matches none."""
     children = _projection_children(module)
     norms = [(n, c) for n, c in module.named_children() if rms_norm_form(c) is not None]
     with torch.no_grad():
         outs = {n: _linear_rows(x, *_linear_weights(c), tensors[0].dtype) for n, c in children}
-        found = []
+        found, unique = [], True
         for i, t in enumerate(tensors):
             width, head_dim = t.shape[1] * t.shape[-1], t.shape[-1]
-            hit = next(((n, first, m) for m, norm in [(None, None), *norms]
-                        for n, y in outs.items()
-                        for first in range(0, y.shape[-1] - width + 1, head_dim)
-                        if torch.equal(_as_heads(y[..., first:first + width], head_dim,
-                                                 rope if i < 2 else None,
-                                                 None if norm is None else _norm_of(norm)), t)),
-                       None)
-            if hit is None:
+            hits = [(n, first, m) for m, norm in [(None, None), *norms]
+                    for n, y in outs.items()
+                    for first in range(0, y.shape[-1] - width + 1, head_dim)
+                    if torch.equal(_as_heads(y[..., first:first + width], head_dim,
+                                             rope if i < 2 else None,
+                                             None if norm is None else _norm_of(norm)), t)]
+            if not hits:
                 return None
-            found.append((hit[0], hit[1], width, hit[2]))
+            unique &= len(hits) == 1
+            found.append((hits[0][0], hits[0][1], width, hits[0][2]))
     names = list(dict.fromkeys(n for n, _, _, _ in found))
     norm_names = list(dict.fromkeys(m for *_, m in found if m is not None))
     return tuple(names), tuple(norm_names), tuple(
         (names.index(n), first, w, None if m is None else norm_names.index(m))
-        for n, first, w, m in found)
+        for n, first, w, m in found), unique
+
+
+def _spot_check(module: nn.Module, x: Tensor, found: tuple, rope,
+                tensors: tuple[Tensor, Tensor, Tensor]) -> bool:
+    """Whether the first row of Q, K and V made from ``x`` by the layout ``found`` is close to
+    forward's (one row's projections: a product over one row may round otherwise than over the
+    batch, so not bit for bit): checked on every call, so that a block whose Q, K, V are no longer
+    these projections of its input (a learned scale of the input, a module swapped) is found
+    again, or keeps Q, K and V."""
+    with_weights = _with_weights(module, x, found, None, rope)
+    if with_weights is None:
+        return False
+    _, pairs, slices, norms, *_ = with_weights
+    row = torch.zeros(1, dtype=torch.long, device=x.device)
+    with torch.no_grad():  # nothing recorded: a checkpoint's recompute saves as its forward did
+        made = _qkv(x, pairs, slices, norms, tensors[0].dtype, tensors[0].shape[-1], rope, row)
+        return all(torch.allclose(m[:1, :, :1], t[:1, :, :1], rtol=1e-3,
+                                  atol=1e-3 * float(t[:1, :, :1].abs().max()))
+                   for m, t in zip(made, tensors, strict=True))
 
 
 def _norm_of(norm: nn.Module) -> tuple:
@@ -471,13 +527,18 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                              or torch.is_autocast_enabled(x.device.type)):
         # Rotary on part of each head (Phi), or autocast's casts around the rotation: Q, K, V kept
         return None
+    if found is not None and not _hooked(module) \
+            and not _spot_check(module, x, found, rope, (query, key, value)):
+        found = None  # no longer these projections of the input: found again, or Q, K, V kept
     if found is None or _hooked(module):
         found = _find_slices(module, x, (query, key, value), rope)
         if found is not None and found[0] != module.__dict__.get(_CHECKED, found)[0]:
             found = None  # under a hook, other projections than the first call's: not ours
         # A rotation that moves nothing (one token at position 0: sin = 0) proves nothing about
-        # the rotary form (interleaved pairs, Cohere's, would pass): found again next call.
-        if found is not None and rope is not None and not bool(rope[1].ne(0).any()):
+        # the rotary form (interleaved pairs, Cohere's, would pass), nor do candidates that match
+        # alike (equal weights): found again next call.
+        if found is not None and (not found[3] or rope is not None
+                                  and not bool(rope[1].ne(0).any())):
             return _with_weights(module, x, found, code, rope)
         module.__dict__[_CHECKED] = found or False
         if found is None:
@@ -493,7 +554,7 @@ def _with_weights(module: nn.Module, x: Tensor, found: tuple, code, rope) -> tup
     if None in pairs:  # a projection replaced since by one that is not a linear layer
         return None
     norms = tuple(_norm_of(getattr(module, n)) for n in found[1])
-    return x, tuple(pairs), found[2], norms, code, rope
+    return x, tuple(pairs), found[2], norms, type(module).__name__, code, rope
 
 
 @eager_island

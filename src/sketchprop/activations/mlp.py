@@ -39,6 +39,7 @@ rounding (measured, with the other coded parts, by the lean benchmarks).
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -53,13 +54,37 @@ from ..functional import first_order, not_a_view
 from ..rng import SeedStream
 from .projections import _autocast_dtype, _linear_weights, forward_hooks_on
 
-#: The gates a gated MLP may use: each function and its backward (PyTorch's own), by name.
+
+def _gelu_new(x: Tensor) -> Tensor:
+    """GPT-2's ``gelu_new``, by transformers' ops in their order (not ``F.gelu``'s tanh form,
+    which rounds otherwise)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _by_autograd(f):
+    """The backward ``(dy, g) -> dg`` of an activation written as ops: autograd's own, on ``g``."""
+    def backward(dy: Tensor, g: Tensor) -> Tensor:
+        with torch.enable_grad():
+            g = g.detach().requires_grad_(True)
+            return torch.autograd.grad(f(g), g, dy)[0]
+    return backward
+
+
+#: The activations an MLP may use: each function and its backward (PyTorch's own), by name.
 GATES = {
+    "relu": (F.relu, partial(torch.ops.aten.threshold_backward, threshold=0)),
     "silu": (F.silu, torch.ops.aten.silu_backward),
     "gelu": (F.gelu, partial(torch.ops.aten.gelu_backward, approximate="none")),
     "gelu_tanh": (partial(F.gelu, approximate="tanh"),
                   partial(torch.ops.aten.gelu_backward, approximate="tanh")),
+    "gelu_new": (_gelu_new, _by_autograd(_gelu_new)),
 }
+
+
+def _gated(gate_fn: str, g: Tensor, u: Tensor | None) -> Tensor:
+    """``act(g) * u``, or ``act(g)`` for a plain MLP (no up projection: ``u`` None)."""
+    h = GATES[gate_fn][0](g)
+    return h if u is None else h * u
 
 
 def gate_of(module: nn.Module) -> str | None:
@@ -81,7 +106,8 @@ def gate_of(module: nn.Module) -> str | None:
 class GatedLayout:
     """How a gated MLP computes (:func:`gated_layout`): its children's names (``gate`` and ``up``
     the same where one projection is fused, ``half`` then the index of the gate's half of its
-    output; None where they are separate), its gate's name in :data:`GATES`, and its dropouts."""
+    output; None where they are separate; ``up`` empty for a plain MLP, ``down(act(gate(x)))``),
+    its gate's name in :data:`GATES`, and its dropouts."""
 
     gate: str
     up: str
@@ -93,12 +119,12 @@ class GatedLayout:
 
     def projections(self, mlp: nn.Module) -> list[nn.Module]:
         """The gate and up projections (one, where fused)."""
-        return [getattr(mlp, n) for n in dict.fromkeys((self.gate, self.up))]
+        return [getattr(mlp, n) for n in dict.fromkeys((self.gate, self.up)) if n]
 
     def gate_up(self, mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
         """The gate and up outputs, by the MLP's own projection modules."""
         if self.half is None:
-            return getattr(mlp, self.gate)(x), getattr(mlp, self.up)(x)
+            return getattr(mlp, self.gate)(x), getattr(mlp, self.up)(x) if self.up else None
         return _halves(getattr(mlp, self.gate)(x), self.half)
 
 
@@ -108,7 +134,10 @@ def _halves(y: Tensor, half: int) -> tuple[Tensor, Tensor]:
 
 
 def _features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` of a linear layer: ``nn.Linear``'s features, or transformers' Conv1D's."""
     shape = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if not all(isinstance(n, int) for n in shape):
+        shape = getattr(module, "nx", None), getattr(module, "nf", None)
     return shape if all(isinstance(n, int) for n in shape) else None
 
 
@@ -136,6 +165,8 @@ def _candidates(mlp: nn.Module) -> list[GatedLayout]:
         elif len(names) == 2 and f == 2 * f_down:
             found += [GatedLayout(names[0], names[0], names[1], rest[0], gate_fn, half, drops)
                       for half in (0, 1)]
+        elif len(names) == 2 and f == f_down:
+            found.append(GatedLayout(names[0], "", names[1], rest[0], gate_fn, None, drops))
     return found
 
 
@@ -170,10 +201,10 @@ def _probe(mlp: nn.Module, layouts: list[GatedLayout]) -> GatedLayout | None:
 
     def composed(layout: GatedLayout, x: Tensor) -> Tensor:
         if layout.half is None:
-            gate, up = call(layout.gate, x), call(layout.up, x)
+            gate, up = call(layout.gate, x), call(layout.up, x) if layout.up else None
         else:
             gate, up = _halves(call(layout.gate, x), layout.half)
-        return call(layout.down, GATES[layout.gate_fn][0](gate) * up)
+        return call(layout.down, _gated(layout.gate_fn, gate, up))
 
     def seeded(fn, *args) -> Tensor:
         # In training, each evaluation draws the same numbers: a LoRA dropout of a projection
@@ -182,22 +213,26 @@ def _probe(mlp: nn.Module, layouts: list[GatedLayout]) -> GatedLayout | None:
             torch.manual_seed(0)
             return fn(*args)
 
+    def matches(layout: GatedLayout) -> bool:
+        x = torch.randn(3, _features(getattr(mlp, layout.gate))[0],
+                        generator=torch.Generator().manual_seed(1)).to(p0.device, p0.dtype)
+        for training in (True, False):  # its computation in either mode
+            mlp.train(training)
+            try:
+                want = seeded(torch.func.functional_call, mlp, random, (x,))
+                if not (isinstance(want, Tensor) and torch.equal(seeded(composed, layout, x),
+                                                                 want)):
+                    return False
+            except Exception:  # a module that cannot run on this input is not this layout
+                return False
+        return True
+
     try:
         with torch.no_grad():
-            x = torch.randn(3, _features(getattr(mlp, layouts[0].gate))[0],
-                            generator=g).to(p0.device, p0.dtype)
-            found = []
-            for training in (True, False):  # its computation in either mode
-                mlp.train(training)
-                want = seeded(torch.func.functional_call, mlp, random, (x,))
-                found.append([layout for layout in layouts if isinstance(want, Tensor)
-                              and torch.equal(seeded(composed, layout, x), want)])
-    except Exception:  # a module that cannot run on this input is not one we know
-        return None
+            return next((layout for layout in layouts if matches(layout)), None)
     finally:
         for m, mode in modes.items():
             m.training = mode
-    return next((layout for layout in found[0] if layout in found[1]), None)
 
 
 _LAYOUT = "_sketchprop_gated_layout"
@@ -218,7 +253,17 @@ def gated_layout(module: nn.Module) -> GatedLayout | None:
 def is_gated_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a gated MLP, ``down(act(gate(x)) * up(x))`` with a SiLU or GELU
     gate, separate or fused gate and up projections (:func:`gated_layout`)."""
-    return gated_layout(module) is not None
+    layout = gated_layout(module)
+    return layout is not None and bool(layout.up)
+
+
+def is_plain_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain MLP in one module, ``down(act(up(x)))`` with a ReLU, SiLU or
+    GELU activation (T5's ``DenseReluDense``, DistilBERT's ``FFN``; :func:`gated_layout`): made
+    again from its input under ``mlp="input"`` and ``"coded"`` only (the other modes leave it to
+    the GELU part)."""
+    layout = gated_layout(module)
+    return layout is not None and not layout.up
 
 
 class GateProduct(torch.autograd.Function):
@@ -230,15 +275,15 @@ class GateProduct(torch.autograd.Function):
     def forward(ctx, g: Tensor, u: Tensor, gate_fn: str) -> Tensor:
         ctx.gate_fn = gate_fn
         ctx.save_for_backward(g, u)
-        return GATES[gate_fn][0](g) * u
+        return _gated(gate_fn, g, u)
 
     @staticmethod
     @first_order
     def backward(ctx, dy: Tensor):
         g, u = ctx.saved_tensors
         f, df = GATES[ctx.gate_fn]
-        dg = df(dy * u, g) if ctx.needs_input_grad[0] else None
-        du = dy * f(g) if ctx.needs_input_grad[1] else None
+        dg = df(dy if u is None else dy * u, g) if ctx.needs_input_grad[0] else None
+        du = dy * f(g) if u is not None and ctx.needs_input_grad[1] else None
         return dg, du, None
 
 
@@ -254,7 +299,7 @@ class GatedDown(torch.autograd.Function):
         ctx.save_for_backward(g, u, weight)
         ctx.has_bias = bias is not None
         with torch.autocast(g.device.type, enabled=False):
-            h = (GATES[gate_fn][0](g) * u).to(dtype)
+            h = _gated(gate_fn, g, u).to(dtype)
             return not_a_view(F.linear(h, weight.to(dtype),
                                        None if bias is None else bias.to(dtype)))
 
@@ -264,7 +309,7 @@ class GatedDown(torch.autograd.Function):
         g, u, weight = ctx.saved_tensors
         f, df = GATES[ctx.gate_fn]
         s = f(g)
-        h = (s * u).to(ctx.dtype)
+        h = (s if u is None else s * u).to(ctx.dtype)
         dy = dy.to(ctx.dtype)
         dw = db = None
         if ctx.needs_input_grad[2]:
@@ -272,8 +317,8 @@ class GatedDown(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype)
         dh = dy.matmul(weight.to(ctx.dtype)).to(g.dtype)
-        dg = df(dh * u, g) if ctx.needs_input_grad[0] else None
-        du = dh * s if ctx.needs_input_grad[1] else None
+        dg = df(dh if u is None else dh * u, g) if ctx.needs_input_grad[0] else None
+        du = dh * s if u is not None and ctx.needs_input_grad[1] else None
         return dg, du, dw, db, None, None
 
 
@@ -336,7 +381,8 @@ def _plans_value(plans: tuple, half: int | None, x: Tensor) -> tuple[Tensor, Ten
     """The gate and up outputs the projections' plans give for ``x``: one plan each, or one fused
     plan whose output's ``half`` is the gate."""
     if half is None:
-        return tuple(_plan_value(plan, x) for plan in plans)
+        values = [_plan_value(plan, x) for plan in plans]
+        return values[0], values[1] if len(values) > 1 else None  # a plain MLP: no up
     return _halves(_plan_value(plans[0], x), half)
 
 
@@ -357,7 +403,7 @@ class GatedFromInput(torch.autograd.Function):
         # With a code of x (mlp="coded"), its payload in x's place.
         ctx.save_for_backward(x.detach() if code is None else code.payload,
                               *(t for plan in plans for t in _plan_tensors(plan)))
-        return GATES[gate_fn][0](g) * u
+        return _gated(gate_fn, g, u)
 
     @staticmethod
     @first_order
@@ -370,8 +416,8 @@ class GatedFromInput(torch.autograd.Function):
                                              enabled=ctx.autocast is not None):
             g, u = _plans_value(ctx.plans, ctx.half, x)
         f, df = GATES[ctx.gate_fn]
-        dg = df(dy * u, g) if ctx.needs_input_grad[0] else None
-        du = dy * f(g) if ctx.needs_input_grad[1] else None
+        dg = df(dy if u is None else dy * u, g) if ctx.needs_input_grad[0] else None
+        du = dy * f(g) if u is not None and ctx.needs_input_grad[1] else None
         return dg, du, None, None, None, None, None, None
 
 
@@ -384,7 +430,7 @@ def _recomputable(mlp: nn.Module, layout: GatedLayout, x: Tensor, g: Tensor, u: 
     if checked is None or (checked and forward_hooks_on(
             m for proj in layout.projections(mlp) for m in proj.modules())):
         with torch.no_grad():
-            checked = all(torch.equal(a, b) for a, b in
+            checked = all(b is None or torch.equal(a, b) for a, b in
                           zip(_plans_value(plans, layout.half, x), (g, u), strict=True))
         mlp.__dict__[_INPUT_CHECKED] = checked
         if not checked:
@@ -435,7 +481,7 @@ def gated_mlp_input_forward(self: nn.Module, x: Tensor, code: SharedCode | None 
     g, u = layout.gate_up(self, x)
     if code is not None and x._version != version:
         code = None
-    if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
+    if not (torch.is_grad_enabled() and (g.requires_grad or (u is not None and u.requires_grad))):
         return _gated_rest(self, layout, g, u)
     plans = _plans(self, layout)
     if plans is None or not _recomputable(self, layout, x, g, u, plans):
@@ -469,10 +515,10 @@ class CodedGatedMLP:
 
 def _gated_rest(self: nn.Module, layout: GatedLayout, g: Tensor, u: Tensor) -> Tensor:
     down = getattr(self, layout.down)
-    if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
-        return down(GATES[layout.gate_fn][0](g) * u)
+    if not (torch.is_grad_enabled() and (g.requires_grad or (u is not None and u.requires_grad))):
+        return down(_gated(layout.gate_fn, g, u))
     if type(down) is nn.Linear and down.weight.requires_grad:  # decided per call: patch_linear
-        dtype = _autocast_dtype(g) or torch.promote_types(g.dtype, u.dtype)  # may swap it later
+        dtype = _autocast_dtype(g) or torch.promote_types(g.dtype, (g if u is None else u).dtype)
         return GatedDown.apply(g, u, down.weight, down.bias, dtype, layout.gate_fn)
     return down(GateProduct.apply(g, u, layout.gate_fn))
 

@@ -41,9 +41,10 @@ def for_model(model: torch.nn.Module, activations: dict) -> dict:
     that the model lacks is an error)."""
     from sketchprop.activations import gated_layout, is_exact_gelu, is_tanh_gelu
 
-    gates = set() if activations.get("mlp") == "stored" else {
+    mlp = activations.get("mlp", "coded" if activations.get("preset") == "lean" else "auto")
+    gates = set() if mlp == "stored" else {
         id(getattr(m, layout.act)) for m in model.modules()
-        if (layout := gated_layout(m)) is not None}
+        if (layout := gated_layout(m)) is not None and (layout.up or mlp in ("input", "coded"))}
     if activations.get("gelu_bits") is None or any(
             id(m) not in gates and (is_exact_gelu(m) or is_tanh_gelu(m)) for m in model.modules()):
         return dict(activations)

@@ -142,13 +142,15 @@ def patch_activations(
             (:func:`~sketchprop.activations.gated_mlp_forward`; exact); ``"input"``: it keeps its
             input only, and backward computes the gate and up projections again
             (:func:`~sketchprop.activations.gated_mlp_input_forward`; exact; two more matmuls per
-            MLP); ``"auto"``: ``"input"`` where the gate and up projections' full-size weights are
+            MLP; a plain MLP in one module, ``down(act(up(x)))`` with a ReLU, SiLU or GELU: T5's,
+            DistilBERT's, its up projection again, :func:`~sketchprop.activations.is_plain_mlp`);
+            ``"auto"``: ``"input"`` where the gate and up projections' full-size weights are
             frozen (LoRA: a step that stays under exact's time), else ``"recompute"``, decided on
             each call (an MLP whose gate or up projection is not a plain or LoRA linear layer, or
             has LoRA dropout, keeps the gate and up outputs under ``"input"`` too); ``"coded"``: as
-            ``"input"``, from the ``code_bits``-bit code of the input
+            ``"input"``, plain MLPs too, from the ``code_bits``-bit code of the input
             (:class:`~sketchprop.activations.CodedGatedMLP`; not exact); or ``"stored"``.
-        rmsnorm: ``"compact"``: each RMSNorm of Llama's or Gemma's ``(1 + weight)`` form (found
+        rmsnorm: ``"compact"``: each RMSNorm of Llama's, Gemma's ``(1 + weight)`` or T5's form (found
             by what it computes, :func:`~sketchprop.activations.rms_norm_form`, whatever its
             name; QK-norms and sandwich norms too) keeps its input and one statistic per
             row (:class:`~sketchprop.activations.RMSNormFunction`; exact), ``"coded"``
@@ -260,10 +262,12 @@ def patch_activations(
         kind = act.SeededDropout if dropout == "seeded" else act.PackedDropout
         new.update({n: kind.from_dropout(model.get_submodule(n)) for n in names})
         applied["dropout"], selected = len(names), selected + len(names)
-    # A gated MLP's forward under the mlp part computes its gate itself: its GELU module is unused.
+    # Made again from their input (mlp="input", "coded"), plain MLPs too: down(act(up(x))).
+    is_mlp = (lambda m: act.is_gated_mlp(m) or act.is_plain_mlp(m)) if mlp in ("input", "coded") \
+        else act.is_gated_mlp
+    # An MLP's forward under the mlp part computes its activation itself: its GELU module is unused.
     gates = set() if mlp == "stored" else {
-        id(getattr(m, act.gated_layout(m).act)) for n in _select(model, act.is_gated_mlp, targets,
-                                                                 exclude)
+        id(getattr(m, act.gated_layout(m).act)) for n in _select(model, is_mlp, targets, exclude)
         for m in [model.get_submodule(n)]}
     if gelu_bits is not None:
         names = select("gelu_bits", lambda m: id(m) not in gates and (act.is_exact_gelu(m)
@@ -283,8 +287,9 @@ def patch_activations(
                 act.CodedLayerNorm.from_layernorm(norm, code_bits, code_group, name=n)
         applied["layernorm"], selected = len(names), selected + len(names)
     for part, on, kind, what, forward in (
-            ("mlp", mlp != "stored", act.is_gated_mlp, "gated MLP (down(act(gate(x)) * up(x)), "
-             "a SiLU or GELU gate, gate and up separate or fused)",
+            ("mlp", mlp != "stored", is_mlp, "gated MLP (down(act(gate(x)) * up(x)), a SiLU or "
+             "GELU gate, gate and up separate or fused)" + (
+                 " or plain MLP (down(act(up(x))))" if mlp in ("input", "coded") else ""),
              {"input": act.gated_mlp_input_forward, "recompute": act.gated_mlp_forward,
               "auto": act.gated_mlp_auto_forward}.get(mlp, act.CodedGatedMLP)),
             ("rmsnorm", rmsnorm != "stored", act.is_rms_norm, "RMSNorm (Llama's or Gemma's form)",
@@ -323,6 +328,10 @@ def patch_activations(
             forwards[name] = (owner, act.LMLossForward(owner))
             applied["lm_loss"] = 1
     if attention != "stored":
+        # Coded, an attention block of its own (not through the interface: DeBERTa's) is made
+        # again whole from the code of its input.
+        own = [n for n, m in model.named_modules() if act.is_own_attention(m)
+               and not act.is_attention_block(m)] if attention == "coded" else []
         try:
             attention_owner = _attention_owner(model)
             reason = _attention_refusal(attention_owner)
@@ -331,16 +340,25 @@ def patch_activations(
                     attention == "coded" and any(map(act.has_rope_projections, model.modules()))):
                 reason = _attention_keeps_no_probabilities(model, attention_owner)
         except ValueError as err:
-            if given["attention"]:
+            if given["attention"] and not own:
                 raise
             reason = str(err).split("; pass attention=")[0]
-        if reason is not None:
+        forwards.update({n: (model.get_submodule(n), act.RecomputedModule(
+            model.get_submodule(n), code_bits, code_group, name=n, option="attention"))
+            for n in own})
+        if own:
+            notes["own_attention"] = f"attention='coded' on {len(own)} attention block" \
+                f"{'s' * (len(own) != 1)} of their own"
+            selected += len(own)
+        if reason is not None and not own:
             leave("attention", reason)
+        elif reason is not None:
+            left["attention"] = reason
         else:
             applied["attention"] = 1
     if floor_bits is not None:
         applied["floor_bits"] = 1
-    if not applied or not any(applied.values()):
+    if (not applied or not any(applied.values())) and "own_attention" not in notes:
         raise ValueError("nothing to patch: " + "; ".join(f"{k}: {v}" for k, v in left.items()))
 
     order = [n for n, _ in model.named_modules()]
@@ -368,9 +386,10 @@ def patch_activations(
     setattr(model, _ACTIVATIONS, state)
     _swap(model, new)
     log.info("patch_activations(%s): applied %s; left %s", type(model).__name__,
-             ", ".join(f"{k}={values[k]!r} ({n} module{'s' * (n != 1)}{notes.get(k, '')})"
-                       if k not in ("attention", "floor_bits")
-                       else f"{k}={values[k]!r}" for k, n in applied.items() if n) or "none",
+             ", ".join([f"{k}={values[k]!r} ({n} module{'s' * (n != 1)}{notes.get(k, '')})"
+                        if k not in ("attention", "floor_bits")
+                        else f"{k}={values[k]!r}" for k, n in applied.items() if n]
+                       + ([notes["own_attention"]] if "own_attention" in notes else [])) or "none",
              "; ".join(f"{k} ({v})" for k, v in left.items()) or "nothing")
     return state["names"]
 
