@@ -312,11 +312,15 @@ def test_exact_recompute_makes_every_row_where_fewer_round_otherwise(monkeypatch
     assert not all(torch.equal(a, b) for a, b in zip(grads(), kept, strict=True))
 
 
-def test_exact_recompute_raises_where_no_row_made_again_is_forwards(monkeypatch):
+@pytest.mark.parametrize("padding", [True, False])
+def test_exact_recompute_raises_where_no_row_made_again_is_forwards(monkeypatch, padding):
     """Q, K, V that are not the projections of the kept input (a scale between that changed since
     the layout was found): backward's rows match forward's fingerprints neither over the rows it
-    reads nor over all of them, and it raises rather than give other gradients."""
+    reads nor over all of them (a padded batch), nor on the first row (one without padding), and
+    it raises rather than give other gradients."""
     x, pairs, q, k, v, mask, dout, seed, seen = padded_attention("padded", monkeypatch)
+    if not padding:
+        mask = torch.ones_like(mask)
     out = act.attention._ProjectedAttention.apply(q * 2, k, v, mask, 0.5, 0.3, seed, x, pairs,
                                                   SLICES, (), "block")
     with pytest.raises(RuntimeError, match="block's Q, K, V made again in backward are not"):

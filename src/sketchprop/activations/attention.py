@@ -9,10 +9,10 @@ block's input, from which backward makes Q, K and V again with the projections' 
 activation of the hidden size instead of three, for a second Q/K/V projection in backward
 (where a projection is not a linear layer, a peft LoRA layer for one, Q, K and V are kept).
 Exact, bit for bit: on a padded batch backward projects only the rows it reads, and checks what it
-made against fingerprints of forward's Q, K, V, kept on every call
-(:mod:`~sketchprop.activations.rows`; every row again where they differ, and an error where those
-differ too: the block's Q, K, V are no longer the projections of its input found on its first
-call). Which projections make Q, K and V is found by what they compute
+made against fingerprints of forward's Q, K, V (:mod:`~sketchprop.activations.rows`; every row
+again where they differ, and an error where those differ too, or, on a batch without padding,
+where the first row's does: the block's Q, K, V are no longer the projections of its input found
+on its first call). Which projections make Q, K and V is found by what they compute
 (:func:`is_attention_block`), checked again each call on one row, and found again where candidates
 match alike (equal weights at initialisation).
 On CUDA it calls PyTorch's ``scaled_dot_product_attention``,
@@ -53,7 +53,7 @@ from ..rng import SeedStream
 from .floor import offer
 from .norms import _rms_eps, rms_norm_form, rms_norm_value
 from .projections import _linear_weights, forward_hooks_on
-from .rows import fingerprints, needed_rows, same_rows
+from .rows import fingerprints, needed_rows, padded, same_rows
 from .seeds import _draw_seed, _drop_threshold, keep_mask
 
 #: ``attention=`` values.
@@ -229,10 +229,14 @@ class _ProjectedAttention(torch.autograd.Function):
         # would be kept twice (and Q, K, V made from its code are not forward's: no prints).
         x = x.detach() if code is None else code.payload
         ctx.coded = code is not None or offer(x)
-        # Exact, every call keeps Q's, K's and V's fingerprints: backward checks what it made
-        # against them (a block whose Q, K, V stopped being these projections of its input since
-        # its layout was found raises there, rather than give other gradients).
-        prints = fingerprints(q, k, v) if not ctx.coded else None
+        # Exact, every call keeps fingerprints of Q, K and V: of every row on a padded batch
+        # (backward makes only the rows it reads, and checks them), of the first row otherwise.
+        # Backward checks what it made against them: a block whose Q, K, V stopped being these
+        # projections of its input since its layout was found raises there, rather than give
+        # other gradients.
+        ctx.first_row = not (ctx.coded or padded(mask))
+        prints = None if ctx.coded else fingerprints(
+            *((t[:1, :, :1] for t in (q, k, v)) if ctx.first_row else (q, k, v)))
         ctx.module_name = module_name
         ctx.save_for_backward(mask, seed, bias, x,
                               *(rope or (None, None)), prints,
@@ -248,7 +252,8 @@ class _ProjectedAttention(torch.autograd.Function):
             spec, shape, dtype = ctx.code
             x = SharedCode(x, spec).decode(dtype).view(shape)
         rope = (cos, sin) if ctx.rope else None
-        rows = None if not ctx.coded and prints is None else needed_rows(dout, mask, x.shape)
+        rows = None if not ctx.coded and (prints is None or ctx.first_row) else \
+            needed_rows(dout, mask, x.shape)
 
         linear, norm_weights = weights[:2 * ctx.n_pairs], weights[2 * ctx.n_pairs:]
         pairs = tuple(zip(linear[0::2], linear[1::2], strict=True))
@@ -261,7 +266,8 @@ class _ProjectedAttention(torch.autograd.Function):
             if rows is not None and prints is not None and not same_rows(qkv, prints, rows):
                 qkv = project(None)  # a product over fewer rows rounded otherwise: all, as forward
                 rows = None
-            if prints is not None and not same_rows(qkv, prints, rows):
+            if prints is not None and not same_rows(
+                    [t[:1, :, :1] for t in qkv] if ctx.first_row else qkv, prints, rows):
                 raise RuntimeError(
                     f"{ctx.module_name}'s Q, K, V made again in backward are not forward's: its "
                     "Q, K, V stopped being the projections of its input found on its first call "

@@ -6,9 +6,11 @@ A padded batch's padding rows are neither live queries nor keys any query may at
 (:func:`needed_rows`), so backward need not make their Q, K, V again. From the exact block input
 (``attention="recompute"``) the rows it makes must be forward's bit for bit, yet a product over
 fewer rows may round differently (MKL on an AMD EPYC: float32 with 1-3 rows, or with 5-11 on two
-threads; float64 unless a multiple of 4). So forward keeps a fingerprint of Q, K and V per row
-(:func:`fingerprints`), and backward keeps the rows it made only where they match it
-(:func:`same_rows`), and raises where all of them made again do not.
+threads; float64 unless a multiple of 4). So forward keeps, on a padded batch (:func:`padded`), a
+fingerprint of Q, K and V per row (:func:`fingerprints`), and backward keeps the rows it made only
+where they match it (:func:`same_rows`), and raises where all of them made again do not; on a
+batch without padding it keeps the first row's, which backward's product over every row (forward's
+own) must give again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def needed_rows(dout: Tensor, mask: Tensor | None, shape: torch.Size) -> Tensor 
 def attendable(mask: Tensor) -> Tensor:
     """A boolean or additive attention mask as booleans (True: may attend)."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+
+
+def padded(mask: Tensor | None) -> bool:
+    """Whether ``mask`` (``B or 1, H or 1, Lq, Lk``) has a key that no query may attend to (a
+    padded batch's padding): rows that :func:`needed_rows` may leave out."""
+    return mask is not None and mask.dim() == 4 and not bool(attendable(mask).any(-2).all())
 
 
 # Fingerprint weights by (words per row, device); below 2^31, so that a row of up to 2^16 16-bit
