@@ -1,6 +1,7 @@
 """scripts/architectures.py on every family at the tiny width, with the setups the targets name:
-the floor alone and int4 + lean with the floor (and a 4-bit GELU code) within their bounds of
-exact's saved bytes, lean's gradient error within twice int4's, every gradient kept, the layers
+the floor alone and int4 + lean with the floor (and a 4-bit GELU code) within their bounds
+of exact's saved bytes (lean at most 0.08x on every transformer family), lean's gradient
+error within twice int4's, every gradient kept, the layers
 patched, the round trip exact (the committed results/bench/architectures.md is the full
 matrix)."""
 
@@ -19,8 +20,11 @@ SETUPS = ("int4", "floor4", LEAN_FLOOR)
 # Linear layers patched by patch_linear(bits=4): every one but a language model's lm_head.
 PATCHED = {"bert": "14 of 14", "gpt2": "8 of 9", "llama": "14 of 15", "t5": "32 of 33",
            "convnet": "1 of 1"}
-# The families lean was written for keep at most this much of exact's saved bytes with int4.
-WRITTEN_FOR = {"bert": 0.06, "roberta": 0.06, "llama": 0.06, "qwen2": 0.06, "mistral": 0.06}
+# With int4, lean keeps at most 0.08 of exact's saved bytes on every transformer family (its parts
+# found by what the modules compute), 0.06 on those it was first written for, and the floor's
+# 0.20 on the conv net (no part but the floor applies there).
+LEAN_BOUND = {"bert": 0.06, "roberta": 0.06, "llama": 0.06, "qwen2": 0.06, "mistral": 0.06,
+              "convnet": 0.20}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def test_the_targets(matrix):
     _, _, rows = matrix
     for family, cells in rows.items():
         assert cells["floor4"]["saved_ratio"] <= 0.20, family
-        assert cells[LEAN_FLOOR]["saved_ratio"] <= WRITTEN_FOR.get(family, 0.20), family
+        assert cells[LEAN_FLOOR]["saved_ratio"] <= LEAN_BOUND.get(family, 0.08), family
         assert cells[LEAN_FLOOR]["error"] <= 2 * cells["int4"]["error"], family
 
 
