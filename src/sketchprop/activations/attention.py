@@ -279,6 +279,8 @@ class _ProjectedAttention(torch.autograd.Function):
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
 #: input, which changes with every call, travels per call and per thread: :data:`_calls`.)
 _CHECKED = "_sketchprop_qkv_checked"
+# Where a layout that candidates matched alike is kept, with the block's weights' versions.
+_ALIKE = "_sketchprop_qkv_alike"
 _PROJECTIONS = ("query", "key", "value")
 # A call with any of these set projects something else than its own input (an encoder's states).
 _OTHER_SOURCES = ("encoder_hidden_states", "key_value_states")
@@ -445,6 +447,7 @@ def _attention_input(module: nn.Module) -> tuple[Tensor | None, SharedCode | Non
 def forget_attention_check(module: nn.Module) -> None:
     """Drop what :func:`recompute_attention` noted on ``module`` (its Q, K, V check)."""
     module.__dict__.pop(_CHECKED, None)
+    module.__dict__.pop(_ALIKE, None)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -533,6 +536,9 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                              or torch.is_autocast_enabled(x.device.type)):
         # Rotary on part of each head (Phi), or autocast's casts around the rotation: Q, K, V kept
         return None
+    alike = module.__dict__.get(_ALIKE)
+    if found is None and alike is not None and alike[1] == _versions(module):
+        found = alike[0]  # matched alike, and no weight of the block changed since: still holds
     if found is not None and not _hooked(module) \
             and not _spot_check(module, x, found, rope, (query, key, value)):
         found = None  # no longer these projections of the input: found again, or Q, K, V kept
@@ -541,10 +547,13 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
         if found is not None and found[0] != module.__dict__.get(_CHECKED, found)[0]:
             found = None  # under a hook, other projections than the first call's: not ours
         # A rotation that moves nothing (one token at position 0: sin = 0) proves nothing about
-        # the rotary form (interleaved pairs, Cohere's, would pass), nor do candidates that match
-        # alike (equal weights): found again next call.
-        if found is not None and (not found[3] or rope is not None
-                                  and not bool(rope[1].ne(0).any())):
+        # the rotary form (interleaved pairs, Cohere's, would pass): found again next call. Nor
+        # do candidates that match alike (equal weights, as Q's and K's norms at
+        # initialisation): kept until a weight of the block changes (an optimizer step).
+        if found is not None and rope is not None and not bool(rope[1].ne(0).any()):
+            return _with_weights(module, x, found, code, rope)
+        if found is not None and not found[3]:
+            module.__dict__[_ALIKE] = (found, _versions(module))
             return _with_weights(module, x, found, code, rope)
         module.__dict__[_CHECKED] = found or False
         if found is None:
@@ -553,6 +562,11 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
                           stacklevel=3)
             return None
     return _with_weights(module, x, found, code, rope)
+
+
+def _versions(module: nn.Module) -> tuple:
+    """Which of the block's weights are these, changed how often (in place: an optimizer step)."""
+    return tuple((id(p), p._version) for p in module.parameters())
 
 
 def _with_weights(module: nn.Module, x: Tensor, found: tuple, code, rope) -> tuple | None:
