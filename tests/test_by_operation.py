@@ -762,3 +762,15 @@ def test_q_k_v_that_stop_being_the_inputs_projections_are_found_again_or_kept():
     with pytest.warns(UserWarning, match="keeps Q, K and V"):
         got = family_grads(model, batch)
     assert_same(got, family_grads(ref, batch))
+
+
+def test_an_output_projection_wider_than_the_input_is_not_a_candidate():
+    """Heads of 32 over a hidden 64 (Qwen3-30B-A3B's layout, 4096 head columns over 2048): the
+    output projection reads 128 columns, not the block's input; Q, K, V are still found."""
+    model = fam.build("qwen3", head_dim=32)
+    assert model.model.layers[0].self_attn.o_proj.in_features != model.config.hidden_size
+    patch_activations(model, preset="lean")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = model(**fam.make_batch("qwen3", model)).loss
+    assert "_ProjectedAttentionBackward" in backward_nodes(loss)

@@ -469,7 +469,9 @@ def _find_slices(module: nn.Module, x: Tensor, tensors: tuple[Tensor, Tensor, Te
     tensor matched one candidate only (equal weights, as Q and K norms at initialisation, match
     several: the layout then holds for this call, and is found again on the next). None where
     some tensor matches none."""
-    children = _projection_children(module)
+    # Those that read the input: not the output projection, whose input is the heads' width.
+    children = [(n, c) for n, c in _projection_children(module)
+                if _linear_weights(c)[0].shape[-1] == x.shape[-1]]
     norms = [(n, c) for n, c in module.named_children() if rms_norm_form(c) is not None]
     with torch.no_grad():
         outs = {n: _linear_rows(x, *_linear_weights(c), tensors[0].dtype) for n, c in children}
