@@ -313,22 +313,18 @@ class _Sketched:
     @classmethod
     def from_linear(cls, linear: nn.Module, sketch: str | Sketch = "gaussian", rho: float = 0.1,
                     **kwargs) -> RandomizedLinear:
-        """Wrap ``linear`` (an ``nn.Linear`` or a subclass computing the same map, or transformers'
-        ``Conv1D``: a ``RandomizedConv1D``), reusing its ``weight`` and ``bias`` Parameters (same
-        state_dict keys, ties kept)."""
+        """Wrap ``linear`` (``nn.Linear``, a subclass of its map, or Conv1D), reusing its Parameters."""
         conv1d = conv1d_class()
         if conv1d is not None and isinstance(linear, conv1d):
             kind, shape = randomized_conv1d_class(), (linear.nf, linear.nx)
         elif isinstance(linear, nn.Linear):
-            kind = RandomizedLinear
-            shape = (linear.in_features, linear.out_features, linear.bias is not None)
+            kind, shape = RandomizedLinear, (linear.in_features, linear.out_features,
+                                             linear.bias is not None)
         else:
-            raise TypeError(f"expected nn.Linear or transformers' Conv1D, got "
-                            f"{type(linear).__name__}")
+            raise TypeError(f"expected nn.Linear or transformers' Conv1D, got {type(linear).__name__}")
         new = kind(*shape, device="meta", sketch=sketch, rho=rho, **kwargs)
         new.hold(linear)
-        if kind is RandomizedLinear and type(linear) is not nn.Linear:
-            # A subclass (Falcon's FalconLinear) is kept, not as a submodule, to be put back.
+        if kind is RandomizedLinear and type(linear) is not nn.Linear:  # kept, to be put back
             new.__dict__["_replaced"] = linear
         return new.train(linear.training)
 
@@ -540,8 +536,7 @@ class RandomizedLinear(_Sketched, nn.Linear, metaclass=abc.ABCMeta):
                         bits, group)
 
     def to_linear(self) -> nn.Linear:
-        """The ``nn.Linear`` this layer replaced (an ``nn.Linear`` subclass: that module),
-        holding the same Parameters."""
+        """The ``nn.Linear`` (or subclass) this layer replaced, holding the same Parameters."""
         lin = self.__dict__.get("_replaced") or nn.Linear(
             self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight, lin.bias = self.weight, self.bias

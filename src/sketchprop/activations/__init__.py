@@ -30,6 +30,7 @@ part the model has); each module's docstring says what its part keeps and why:
   above leave, on any model, as one b-bit code per saved storage.
 - shared by several parts: :mod:`~sketchprop.activations.seeds` (seeds and dropout masks),
   :mod:`~sketchprop.activations.projections` (projections made again in backward),
+  :mod:`~sketchprop.activations.qkv` (which projections make an attention block's Q, K, V),
   :mod:`~sketchprop.activations.rows` (the rows the attention's backward reads, checked), and, with
   the b-bit codes of :mod:`sketchprop.quantize`, :mod:`sketchprop.packing` (bit packing).
 
@@ -44,14 +45,9 @@ from .attention import (
     CodeAttentionInput,
     drop_attention_input,
     forget_attention_check,
-    has_projections,
-    has_rope_projections,
-    is_attention_block,
-    is_own_attention,
     keep_attention_input,
     recompute_attention,
     register_attention,
-    takes_rope,
 )
 from .dropout import DROPOUT, PackedDropout, SeededDropout
 from .experts import EXPERTS, CodedExperts, is_experts
@@ -98,6 +94,7 @@ from .norms import (
     rms_norm_form,
     rms_norm_forward,
 )
+from .qkv import has_projections, has_rope_projections, is_attention_block, is_own_attention, takes_rope
 from .recompute import RecomputedModule
 from .seeds import keep_mask
 

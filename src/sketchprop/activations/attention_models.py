@@ -13,7 +13,7 @@ import sys
 
 from torch import nn
 
-from .attention import is_attention_block, takes_rope
+from .qkv import is_attention_block, takes_rope
 
 
 def _attention_owner(model: nn.Module) -> nn.Module:
@@ -109,7 +109,7 @@ def _attention_keeps_no_probabilities(model: nn.Module, owner: nn.Module) -> str
     its attention already keeps no probabilities (an SDPA or flash implementation with no
     attention dropout keeps Q, K, V, its output and one statistic per row) and its Q, K, V cannot
     be made again from the block's input by the exact recompute (its blocks are rotary, as
-    Llama's: :func:`~sketchprop.activations.attention.takes_rope`). There the
+    Llama's: :func:`~sketchprop.activations.qkv.takes_rope`). There the
     recompute saves only the attention's output, where the output projection does not keep it
     anyway (a sketched or LoRA ``o_proj``), and in a padded batch the float mask SDPA keeps per
     layer (the recompute keeps one boolean mask), for a second pass over the attention in
