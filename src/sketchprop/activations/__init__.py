@@ -82,6 +82,7 @@ from .mlp import (
     is_gated_mlp,
     is_plain_mlp,
     keeps_input,
+    takes_mlp,
 )
 from .norms import (
     LAYERNORM,
@@ -140,6 +141,7 @@ __all__ = [
     "has_rope_projections",
     "is_attention_block",
     "is_own_attention",
+    "takes_mlp",
     "takes_rope",
     "is_exact_gelu",
     "is_experts",

@@ -257,6 +257,17 @@ def is_gated_mlp(module: nn.Module) -> bool:
     return layout is not None and bool(layout.up)
 
 
+def takes_mlp(mlp: str):
+    """The MLPs ``mlp=`` (a mode of :func:`~sketchprop.patch_activations`) gives a forward of its
+    own: gated ones, and plain ones too under ``"input"`` and ``"coded"``; none under
+    ``"stored"``."""
+    if mlp == "stored":
+        return lambda module: False
+    if mlp in ("input", "coded"):
+        return lambda module: gated_layout(module) is not None
+    return is_gated_mlp
+
+
 def is_plain_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a plain MLP in one module, ``down(act(up(x)))`` with a ReLU, SiLU or
     GELU activation (T5's ``DenseReluDense``, DistilBERT's ``FFN``; :func:`gated_layout`): made

@@ -75,11 +75,16 @@ def has_projections(module: nn.Module) -> bool:
 
 
 @functools.cache
-def _calls_attention_interface(cls: type) -> bool:
+def _forward_mentions(cls: type, name: str) -> bool:
+    """Whether ``cls``'s forward's source names ``name`` (a function it calls)."""
     try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+        return name in inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
+
+
+def _calls_attention_interface(cls: type) -> bool:
+    return _forward_mentions(cls, "ALL_ATTENTION_FUNCTIONS")
 
 
 def _projection_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -96,21 +101,13 @@ def is_attention_block(module: nn.Module) -> bool:
         and bool(_projection_children(module))
 
 
-@functools.cache
-def _computes_softmax(cls: type) -> bool:
-    try:
-        return "softmax" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-
-
 def is_own_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a self-attention block that computes its attention itself, not
     through transformers' attention interface (DeBERTa's disentangled attention): three or more
     linear projections of its own and a softmax in its forward. Under ``attention="coded"`` it
     is made again in backward from the code of its input
     (:class:`~sketchprop.activations.recompute.RecomputedModule`)."""
-    return not _calls_attention_interface(type(module)) and _computes_softmax(type(module)) \
+    return not _calls_attention_interface(type(module)) and _forward_mentions(type(module), "softmax") \
         and len(_projection_children(module)) >= 3
 
 

@@ -39,12 +39,11 @@ def for_model(model: torch.nn.Module, activations: dict) -> dict:
     """``patch_activations`` arguments for ``model``: ``gelu_bits`` only where it has a GELU that
     the GELU part takes (not a gated MLP's, where the MLP part is on; a part given explicitly
     that the model lacks is an error)."""
-    from sketchprop.activations import gated_layout, is_exact_gelu, is_tanh_gelu
+    from sketchprop.activations import gated_layout, is_exact_gelu, is_tanh_gelu, takes_mlp
 
-    mlp = activations.get("mlp", "coded" if activations.get("preset") == "lean" else "auto")
-    gates = set() if mlp == "stored" else {
-        id(getattr(m, layout.act)) for m in model.modules()
-        if (layout := gated_layout(m)) is not None and (layout.up or mlp in ("input", "coded"))}
+    takes = takes_mlp(activations.get("mlp", "coded" if activations.get("preset") == "lean"
+                                      else "auto"))
+    gates = {id(getattr(m, gated_layout(m).act)) for m in model.modules() if takes(m)}
     if activations.get("gelu_bits") is None or any(
             id(m) not in gates and (is_exact_gelu(m) or is_tanh_gelu(m)) for m in model.modules()):
         return dict(activations)

@@ -263,12 +263,10 @@ def patch_activations(
         new.update({n: kind.from_dropout(model.get_submodule(n)) for n in names})
         applied["dropout"], selected = len(names), selected + len(names)
     # Made again from their input (mlp="input", "coded"), plain MLPs too: down(act(up(x))).
-    is_mlp = (lambda m: act.is_gated_mlp(m) or act.is_plain_mlp(m)) if mlp in ("input", "coded") \
-        else act.is_gated_mlp
+    is_mlp = act.takes_mlp(mlp)
     # An MLP's forward under the mlp part computes its activation itself: its GELU module is unused.
-    gates = set() if mlp == "stored" else {
-        id(getattr(m, act.gated_layout(m).act)) for n in _select(model, is_mlp, targets, exclude)
-        for m in [model.get_submodule(n)]}
+    gates = {id(getattr(m, act.gated_layout(m).act))
+             for m in map(model.get_submodule, _select(model, is_mlp, targets, exclude))}
     if gelu_bits is not None:
         names = select("gelu_bits", lambda m: id(m) not in gates and (act.is_exact_gelu(m)
                                                                     or act.is_tanh_gelu(m)),
