@@ -201,20 +201,89 @@ def test_nothing_applies_raises():
 
 
 def test_attention_checked_before_any_change():
-    """A model whose attention recompute_attention cannot stand for (scores capped: Gemma 2) is
+    """A model whose attention recompute_attention cannot stand for (attention sinks: gpt-oss) is
     refused before anything changes when attention is asked for, and left by the defaults."""
     torch.manual_seed(0)
-    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+    model = tf.GptOssForCausalLM(tf.GptOssConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0))
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
     types, impl = module_types(model), model.config._attn_implementation
-    with pytest.raises(ValueError, match="attention='stored'"):
+    with pytest.raises(ValueError, match="attention sinks.*attention='stored'"):
         patch_activations(model, attention="recompute")
     assert untouched(model, types, impl)
     patch_activations(model)
-    assert model.config._attn_implementation == impl  # attention and the loss left as they are
-    assert "forward" not in vars(model)
+    assert model.config._attn_implementation == impl  # the attention left as it is
+
+
+def tiny_gemma2():
+    torch.manual_seed(0)
+    return tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
+        initializer_range=0.3, pad_token_id=0))  # weights large enough for scores beyond the cap
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+def test_capped_scores_and_logits_give_the_unpatched_gradients(output_attentions):
+    """Gemma 2 caps its attention scores and its logits (softcap * tanh(x / softcap); caps small
+    enough that tanh bends): the recomputed attention gives the unpatched loss bit for bit and its
+    gradients to float rounding, as does the chunked loss; with output_attentions, the same
+    weights."""
+    ref = tiny_gemma2()
+    b = batch()
+    assert b["attention_mask"].eq(0).any()  # padded, and longer than the sliding window
+    model = copy.deepcopy(ref)
+    assert patch_activations(model, attention="recompute", rmsnorm="stored", mlp="stored",
+                             gelu_bits=None, lm_loss="stored") == []
+    kwargs = {"output_attentions": True} if output_attentions else {}
+    want = loss_and_grads(ref, {**b, **kwargs})
+    got = loss_and_grads(model, {**b, **kwargs})
+    assert torch.equal(got[0], want[0])
+    assert_same(got, want)
+    if output_attentions:
+        weights = [model(**b, **kwargs).attentions, ref(**b, **kwargs).attentions]
+        assert all(torch.equal(x, y) for x, y in zip(*weights, strict=True))
+    lossy = copy.deepcopy(ref)
+    assert patch_activations(lossy, attention="stored", rmsnorm="stored", mlp="stored",
+                             gelu_bits=None, lm_loss="chunked") == ["lm_head"]
+    got = loss_and_grads(lossy, b)
+    assert got[0].isfinite() and lossy(**b).logits is None  # (training with labels: chunked)
+    assert_same(got, loss_and_grads(ref, b))
+
+
+@pytest.mark.parametrize("decoder_input", [False, True])
+def test_the_chunked_loss_of_t5_is_its_own(decoder_input):
+    """An encoder-decoder LM (T5): its labels are not shifted, its decoder reads the input its
+    labels make (or the one given), and the loss is its CrossEntropyLoss, gradients to float
+    rounding; the logits never formed."""
+    torch.manual_seed(0)
+    ref = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    model = copy.deepcopy(ref)
+    assert patch_activations(model, attention="stored", dropout="stored", rmsnorm="stored",
+                             mlp="stored", lm_loss="chunked") == ["lm_head"]
+    b = batch()
+    if decoder_input:  # a decoder input other than the labels' (shorter, its own tokens)
+        b["decoder_input_ids"] = torch.randint(3, VOCAB, (3, 7))
+        b["labels"] = b["labels"][:, :7].contiguous()
+    assert_same(loss_and_grads(model, b), loss_and_grads(ref, b))
+    assert model(**b).logits is None
+
+
+def test_an_encoder_decoder_lm_with_a_logits_bias_keeps_its_loss():
+    """BART adds final_logits_bias after its output layer: the chunked loss would leave it out,
+    so the default leaves the loss, and asked for, it raises naming why."""
+    model = tf.BartForConditionalGeneration(tf.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=48,
+        decoder_ffn_dim=48, encoder_attention_heads=4, decoder_attention_heads=4))
+    types, impl = module_types(model), model.config._attn_implementation
+    with pytest.raises(ValueError, match="SEQ2SEQ_LMS.*lm_loss='stored'"):
+        patch_activations(model, lm_loss="chunked")
+    assert untouched(model, types, impl)
 
 
 def test_grouped_heads_patch_and_train():

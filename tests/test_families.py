@@ -92,8 +92,7 @@ def test_each_exact_part_alone_gives_the_unpatched_gradients(name, part):
         patch_activations(model, **{**PARTS_OFF, **PARTS_ALONE[part]})
     except ValueError as err:
         assert "the model has no" in str(err) or "not a transformers causal LM" in str(err) \
-            or "caps its" in str(err) or "does not call its attention" in str(err) \
-            or "changes its logits" in str(err), err
+            or "does not call its attention" in str(err), err
         return
     loss = model(**fam.make_batch(name, model)).loss
     loss.backward()

@@ -74,10 +74,16 @@ def _softmax_dtype(q: Tensor) -> torch.dtype:
 
 
 def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p: float,
-                   seed: int, bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """Softmax probabilities (in float32 at least) of ``Q K^T * scaling + bias`` masked, and the
-    dropout keep mask (None when ``p == 0``)."""
+                   seed: int, bias: Tensor | None = None, softcap: float | None = None
+                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Softmax probabilities (in float32 at least) of ``Q K^T * scaling``, capped to
+    ``softcap * tanh(. / softcap)`` where ``softcap`` is given (Gemma 2), plus ``bias``, masked;
+    the dropout keep mask (None when ``p == 0``) and the cap's ``tanh`` (None without a cap)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).to(_softmax_dtype(q)).mul_(scaling)
+    tanh = None
+    if softcap is not None:  # in the order of transformers' eager attention: bit for bit
+        tanh = scores.div_(softcap).tanh_()
+        scores = tanh * softcap
     if bias is not None:  # an additive bias the model may learn (T5's relative position bias)
         scores += bias
     if mask is not None:
@@ -87,7 +93,7 @@ def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, p:
             scores += mask
     probs = torch.softmax(scores, dim=-1)
     keep = keep_mask(probs.shape, p, seed, probs.device) if p > 0 else None
-    return probs, keep
+    return probs, keep, tanh
 
 
 def _repeat_heads(t: Tensor, heads: int) -> Tensor:
@@ -109,23 +115,24 @@ def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
 
 
 def _attend(q, k, v, mask, scaling: float, p: float, seed: int,
-            bias: Tensor | None = None) -> Tensor:
-    """``softmax(Q K^T * scaling + bias + mask)``, dropped out, times ``V`` (K and V may have
-    fewer, grouped heads)."""
+            bias: Tensor | None = None, softcap: float | None = None) -> Tensor:
+    """``softmax(cap(Q K^T * scaling) + bias + mask)``, dropped out, times ``V`` (K and V may
+    have fewer, grouped heads)."""
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    probs, keep = _probabilities(q, k, mask, scaling, p, seed, bias)
+    probs, keep, _ = _probabilities(q, k, mask, scaling, p, seed, bias, softcap)
     if keep is not None:
         probs.mul_(keep).mul_(_drop_threshold(p)[1])
     return torch.matmul(probs.to(v.dtype), v)
 
 
 def _attention_grads(dout, q, k, v, mask, scaling: float, p: float, seed: int,
-                     bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+                     bias: Tensor | None = None, softcap: float | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dQ, dK, dV and the bias's gradient (None without a bias that requires one) of
     :func:`_attend`, its probabilities and dropout mask made again."""
     kv_heads = k.shape[1]
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    probs, keep = _probabilities(q, k, mask, scaling, p, seed, bias)
+    probs, keep, tanh = _probabilities(q, k, mask, scaling, p, seed, bias, softcap)
     dropped = probs
     dprobs = torch.matmul(dout, v.transpose(-1, -2)).to(probs.dtype)
     if keep is not None:
@@ -139,6 +146,8 @@ def _attention_grads(dout, q, k, v, mask, scaling: float, p: float, seed: int,
     dbias = None
     if bias is not None and bias.requires_grad:  # (a copy: dscores is scaled in place next)
         dbias = _sum_to(dscores, bias.shape).to(bias.dtype, copy=True)
+    if tanh is not None:  # through the cap, as autograd goes: * softcap, tanh's, / softcap
+        dscores.mul_(softcap).mul_(1 - tanh * tanh).div_(softcap)
     dscores = dscores.mul_(scaling).to(q.dtype)
     dk = torch.matmul(dscores.transpose(-1, -2), q)
     return torch.matmul(dscores, k), _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads), dbias
@@ -150,19 +159,19 @@ class _RecomputedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor,
-                bias: Tensor | None = None):
-        ctx.scaling, ctx.p = scaling, p
+                bias: Tensor | None = None, softcap: float | None = None):
+        ctx.scaling, ctx.p, ctx.softcap = scaling, p, softcap
         offer(q, k, v)  # under the floor, kept as its code (they are the rest of the block's saves)
         ctx.save_for_backward(q, k, v, mask, seed, bias)
-        return _attend(q, k, v, mask, scaling, p, int(seed), bias)
+        return _attend(q, k, v, mask, scaling, p, int(seed), bias, softcap)
 
     @staticmethod
     @first_order
     def backward(ctx, dout):
         q, k, v, mask, seed, bias = ctx.saved_tensors
         dq, dk, dv, dbias = _attention_grads(dout, q, k, v, mask, ctx.scaling, ctx.p, int(seed),
-                                             bias)
-        return dq, dk, dv, None, None, None, None, dbias
+                                             bias, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, dbias, None
 
 
 class _ProjectedAttention(torch.autograd.Function):
@@ -179,8 +188,9 @@ class _ProjectedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, scaling: float, p: float, seed: Tensor, x: Tensor,
                 pairs: tuple, slices: tuple, norms: tuple, module_name: str,
                 code: SharedCode | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                bias: Tensor | None = None):
+                bias: Tensor | None = None, softcap: float | None = None):
         ctx.scaling, ctx.p, ctx.dtype, ctx.head_dim = scaling, p, q.dtype, q.shape[-1]
+        ctx.softcap = softcap
         ctx.slices, ctx.norms = slices, [(eps, form) for _, eps, form in norms]
         ctx.n_pairs = len(pairs)
         ctx.code = None if code is None else (code.spec, x.shape, x.dtype)
@@ -205,7 +215,7 @@ class _ProjectedAttention(torch.autograd.Function):
                               *(rope or (None, None)), prints,
                               *(None if t is None else t.detach() for pair in pairs for t in pair),
                               *(w.detach() for w, _, _ in norms))
-        return _attend(q, k, v, mask, scaling, p, int(seed), bias)
+        return _attend(q, k, v, mask, scaling, p, int(seed), bias, softcap)
 
     @staticmethod
     @first_order
@@ -235,8 +245,9 @@ class _ProjectedAttention(torch.autograd.Function):
                     f"{ctx.module_name}'s Q, K, V made again in backward are not forward's: its "
                     "Q, K, V stopped being the projections of its input found on its first call "
                     "(a hook, a scale or a module changed since); pass attention='stored'")
-        dq, dk, dv, dbias = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed), bias)
-        return dq, dk, dv, *[None] * 11, dbias
+        dq, dk, dv, dbias = _attention_grads(dout, *qkv, mask, ctx.scaling, ctx.p, int(seed), bias,
+                                             ctx.softcap)
+        return dq, dk, dv, *[None] * 11, dbias, None
 
 
 #: Where :func:`recompute_attention` notes whether a module's Q, K, V check out. (The module's
@@ -411,7 +422,7 @@ def _projection_weights(module: nn.Module, query: Tensor, key: Tensor,
 def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                         attention_mask: Tensor | None, scaling: float | None = None,
                         dropout: float = 0.0, position_bias: Tensor | None = None,
-                        **kwargs) -> tuple[Tensor, None]:
+                        softcap: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """An attention function for transformers' ``AttentionInterface`` (same signature as its
     ``eager_attention_forward``) that keeps no probabilities for backward.
 
@@ -424,15 +435,18 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     materialised, except when the model asks for them (``output_attentions=True``): then the
     probabilities are computed as eager attention does, returned and kept for backward.
     ``position_bias`` (T5's relative position bias, learned) is added to the scores, and its
-    gradient passed back; so is a float ``attention_mask`` that requires one. Any other floating
-    tensor among ``kwargs`` shaped as the scores raises: this function would leave it out.
+    gradient passed back; so is a float ``attention_mask`` that requires one. ``softcap``
+    (Gemma 2's ``attn_logit_softcapping``) caps the scaled scores to ``softcap * tanh(scores /
+    softcap)`` before the bias and the mask, as its eager attention does (never through SDPA,
+    which has no cap). Any other floating tensor among ``kwargs`` shaped as the scores raises:
+    this function would leave it out.
     """
     if query.shape[1] % key.shape[1] or value.shape[1] != key.shape[1]:
         raise ValueError("recompute_attention needs the query heads to be a multiple of the "
                          f"key/value heads, got {query.shape[1]} and {key.shape[1]}/{value.shape[1]}")
-    # It computes plain softmax attention: a soft cap on the scores or attention sinks would be
-    # left out, silently (patch_activations refuses such models before it changes them).
-    for name in ("softcap", "s_aux", "sinks"):
+    # Attention sinks would be left out, silently (patch_activations refuses such models before
+    # it changes them).
+    for name in ("s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise ValueError(f"recompute_attention does not support {name}; pass attention='stored'")
     # A floating tensor shaped as the scores (its last dimension the keys) would enter the
@@ -451,8 +465,10 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
     # recomputation will, through the Function: its dropout masks, not SDPA's own generator's,
     # and its float rounding, by which the recomputation tells its call from another's.
     weights = kwargs.get("output_attentions")
-    if not weights and (query.device.type == "cuda" or not (needs_grad or dropout > 0
-                                                            or getattr(module, "training", False))):
+    if softcap is not None:
+        softcap = float(softcap)
+    elif not weights and (query.device.type == "cuda" or not (
+            needs_grad or dropout > 0 or getattr(module, "training", False))):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -468,27 +484,28 @@ def recompute_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if weights:
-        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout, bias)
+        return _attention_with_weights(query, key, value, attention_mask, scaling, dropout, bias,
+                                       softcap)
     projected = _projection_weights(module, query, key, value) if needs_grad else None
     # No dropout, no seed: the global stream stays as the plain model leaves it.
     seed = _draw_seed() if dropout > 0 else seed_tensor(0)
     with torch.autocast(query.device.type, enabled=False):
         args = (query, key, value, attention_mask, float(scaling), float(dropout), seed)
         if projected is None:
-            out = _RecomputedAttention.apply(*args, bias)
+            out = _RecomputedAttention.apply(*args, bias, softcap)
         else:
-            out = _ProjectedAttention.apply(*args, *projected, bias)
+            out = _ProjectedAttention.apply(*args, *projected, bias, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attention_with_weights(q, k, v, mask, scaling: float, p: float,
-                            bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _attention_with_weights(q, k, v, mask, scaling: float, p: float, bias: Tensor | None = None,
+                            softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Attention by autograd that returns its (dropped) probabilities in ``q``'s dtype, as
     transformers' eager attention does: for ``output_attentions=True``."""
     seed = int(_draw_seed()) if p > 0 else 0
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])  # grouped K/V heads
     with torch.autocast(q.device.type, enabled=False):
-        probs, keep = _probabilities(q, k, mask, float(scaling), p, seed, bias)
+        probs, keep, _ = _probabilities(q, k, mask, float(scaling), p, seed, bias, softcap)
         if keep is not None:
             probs = probs * keep * _drop_threshold(p)[1]
         out = torch.matmul(probs.to(v.dtype), v)

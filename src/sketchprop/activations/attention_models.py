@@ -1,7 +1,7 @@
 """Which models :func:`~sketchprop.activations.recompute_attention` stands in for:
 ``patch_activations`` asks before it changes anything. A model qualifies when transformers calls
-its attention through ``AttentionInterface``, its attention is plain softmax attention (no score
-cap, no sinks, query heads a multiple of the key/value heads) and its modeling code's eager
+its attention through ``AttentionInterface``, its attention is softmax attention (scores capped
+or not, no sinks, query heads a multiple of the key/value heads) and its modeling code's eager
 attention takes nothing the recompute does not read; the default ``attention="recompute"`` is
 also left where it would save next to nothing (an SDPA attention without dropout whose Q, K, V
 cannot be made again)."""
@@ -39,11 +39,9 @@ def _attention_owner(model: nn.Module) -> nn.Module:
 
 def _attention_refusal(owner: nn.Module) -> str | None:
     """Why :func:`recompute_attention` cannot stand in for ``owner``'s
-    attention (it computes plain softmax attention, K/V heads grouped or not), or None."""
+    attention (it computes softmax attention, scores capped or not, K/V heads grouped or not),
+    or None."""
     config = owner.config
-    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"{type(owner).__name__} caps its attention scores (config.{name})"
     if any("sinks" in n for n, _ in owner.named_parameters()):
         return f"{type(owner).__name__} has attention sinks"
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads",
@@ -54,8 +52,8 @@ def _attention_refusal(owner: nn.Module) -> str | None:
 
 
 # What an attention function may take besides Q, K, V, the mask, the scaling and the dropout rate,
-# and recompute_attention reads: an additive bias (passed its gradient), the score cap and sinks
-# (refused where a model sets them: _attention_refusal, recompute_attention), the sliding window
+# and recompute_attention reads: an additive bias (passed its gradient), the score cap, sinks
+# (refused where a model has them: _attention_refusal, recompute_attention), the sliding window
 # (the mask carries it).
 _READ_INPUTS = {"module", "query", "key", "value", "attention_mask", "scaling", "dropout",
                 "position_bias", "softcap", "sinks", "s_aux", "sliding_window"}

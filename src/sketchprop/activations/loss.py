@@ -1,14 +1,15 @@
-r"""A causal language model's loss by chunks of tokens, the logits made again in backward
+r"""A language model's loss by chunks of tokens, the logits made again in backward
 (``lm_loss="chunked"``).
 
 **Language-model loss** (``lm_loss="chunked"``, :func:`chunked_lm_loss`): the cross-entropy of a
-causal LM computed by chunks of tokens, whose logits are made again in backward, so the
-``(tokens, vocabulary)`` logits never exist at once and backward keeps only the final hidden
-states and one float32 log-sum-exp per token, as Liger-Kernel's fused linear cross-entropy and
-Apple's Cut Cross-Entropy do. Exact. Patched in, it replaces the causal LM's forward while the
-model trains with labels (the loss of ``model(**batch)`` is this one, and ``logits`` is None,
-as with Liger's patches); without labels, without gradients or in eval mode the forward is the
-model's own and returns logits.
+causal LM (or of an encoder-decoder LM of :data:`SEQ2SEQ_LMS`: T5) computed by chunks of
+tokens, whose logits are made again in backward, so the ``(tokens, vocabulary)`` logits never
+exist at once and backward keeps only the final hidden states and one float32 log-sum-exp per
+token, as Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy do. Exact;
+logits soft-capped as Gemma 2 caps them where its config says so. Patched in, it replaces the
+model's forward while the model trains with labels (the loss of ``model(**batch)`` is this one,
+and ``logits`` is None, as with Liger's patches); without labels, without gradients or in eval
+mode the forward is the model's own and returns logits.
 """
 
 from __future__ import annotations
@@ -39,25 +40,34 @@ def _chunk_rows(rows: int, hidden: int, vocab: int, chunk_size: int | None) -> i
     return max(1, min(rows, CHUNK_LOGITS // vocab))
 
 
+def _capped(logits: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """``softcap * tanh(logits / softcap)`` (Gemma 2's ``final_logit_softcapping``, in its
+    order of operations) and the ``tanh``; the logits as they are and None without a cap."""
+    if softcap is None:
+        return logits, None
+    tanh = logits.div(softcap).tanh_()
+    return tanh * softcap, tanh
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum over rows of ``-log softmax(h W^T + b)[target]``, by chunks of rows, times ``scale``;
-    keeps ``h``, the weight and each row's log-sum-exp (float32)."""
+    """Sum over rows of ``-log softmax(cap(h W^T + b))[target]``, by chunks of rows, times
+    ``scale``; keeps ``h``, the weight and each row's log-sum-exp (float32)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, scale: float,
-                chunk: int, dtype: torch.dtype) -> Tensor:
+                chunk: int, dtype: torch.dtype, softcap: float | None = None) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
             for i in range(0, h.shape[0], chunk):
-                logits = F.linear(h[i:i + chunk].to(dtype), w, b).float()
+                logits = _capped(F.linear(h[i:i + chunk].to(dtype), w, b), softcap)[0].float()
                 lse[i:i + chunk] = torch.logsumexp(logits, -1)
                 picked = logits.gather(1, target[i:i + chunk, None])[:, 0]
                 total += (lse[i:i + chunk] - picked).sum()
         ctx.save_for_backward(h, weight, bias, target, lse)
-        ctx.scale, ctx.chunk, ctx.dtype = scale, chunk, dtype
+        ctx.scale, ctx.chunk, ctx.dtype, ctx.softcap = scale, chunk, dtype, softcap
         return total * scale
 
     @staticmethod
@@ -74,12 +84,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         factor = dloss.float() * ctx.scale
         for i in range(0, h.shape[0], ctx.chunk):
             hc = h[i:i + ctx.chunk].to(ctx.dtype)
-            logits = F.linear(hc, w, b).float()
+            logits, tanh = _capped(F.linear(hc, w, b), ctx.softcap)
             # d loss / d logits = softmax - one_hot(target), times the upstream factor.
-            dlogits = logits.sub_(lse[i:i + ctx.chunk, None]).exp_()
+            dlogits = logits.float().sub_(lse[i:i + ctx.chunk, None]).exp_()
             rows = torch.arange(dlogits.shape[0], device=h.device)
             dlogits[rows, target[i:i + ctx.chunk]] -= 1
             dlogits.mul_(factor)
+            if tanh is not None:  # through the cap, as autograd goes: * softcap, tanh's, / softcap
+                dlogits.mul_(ctx.softcap).mul_(1 - tanh.float() ** 2).div_(ctx.softcap)
             if db is not None:
                 db += dlogits.sum(0)
             dlogits = dlogits.to(ctx.dtype)
@@ -88,13 +100,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if dw is not None:
                 dw += dlogits.T.matmul(hc).float()
         return (dh, None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None)
+                None if db is None else db.to(bias.dtype), None, None, None, None, None)
 
 
 def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None = None,
                     bias: Tensor | None = None, *, shift_labels: Tensor | None = None,
                     ignore_index: int = -100, num_items_in_batch: Tensor | int | None = None,
-                    chunk_size: int | None = None) -> Tensor:
+                    chunk_size: int | None = None, softcap: float | None = None) -> Tensor:
     """A causal LM's cross-entropy loss from its final hidden states and its output layer's
     ``weight`` (and ``bias``), never forming all the logits at once: exactly transformers'
     ``ForCausalLMLoss`` on ``F.linear(hidden_states, weight, bias)``.
@@ -107,7 +119,8 @@ def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None
     Tokens are taken by chunks of ``chunk_size`` rows (default: as many as make 2^24 logits, 64
     MiB in float32); backward computes each chunk's logits again from the
     hidden states it kept and the per-token log-sum-exp. Under autocast the logits are computed in
-    autocast's dtype and the softmax in float32, as the unpatched model does.
+    autocast's dtype and the softmax in float32, as the unpatched model does. ``softcap`` caps the
+    logits to ``softcap * tanh(logits / softcap)`` first (Gemma 2's ``final_logit_softcapping``).
 
     To use it without :func:`~sketchprop.patch_activations` (a peft or hand-written loop)::
 
@@ -123,6 +136,8 @@ def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None
                          f"of shape {tuple(hidden_states.shape)}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     target = shift_labels.reshape(-1).to(h.device)
     keep = (target != ignore_index).nonzero()[:, 0]
@@ -133,40 +148,54 @@ def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None
         scale = 1.0 / float(num_items_in_batch)
     dtype = _autocast_dtype(h) or torch.promote_types(h.dtype, weight.dtype)
     chunk = _chunk_rows(h.shape[0], h.shape[1], weight.shape[0], chunk_size)
-    return _ChunkedCrossEntropy.apply(h, weight, bias, target, scale, chunk, dtype)
+    return _ChunkedCrossEntropy.apply(h, weight, bias, target, scale, chunk, dtype, softcap)
 
 
-#: Config attributes that, set, make a model change its logits after the output layer.
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                         "output_multiplier_scale")
+#: Config attributes that, set, make a model change its logits after the output layer (besides
+#: ``final_logit_softcapping``, which the chunked loss applies).
+_LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+#: Encoder-decoder LMs whose training loss is ``CrossEntropyLoss()`` (a mean over the labelled
+#: tokens, labels not shifted) of their output layer on what it reads, and whose decoder reads
+#: ``prepare_decoder_input_ids_from_labels(labels)`` when given no decoder input. (BART, Pegasus
+#: and Marian add a ``final_logits_bias`` after the output layer: not listed.)
+SEQ2SEQ_LMS = ("T5ForConditionalGeneration", "MT5ForConditionalGeneration",
+               "UMT5ForConditionalGeneration")
+
+
+def _causal_lm_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+            for n in ((v,) if isinstance(v, str) else v)}
 
 
 def lm_loss_refusal(owner: nn.Module) -> str | None:
     """Why the chunked loss cannot replace ``owner``'s (a transformers model), or None when it
-    can: a causal LM with transformers' standard loss, a plain ``nn.Linear`` output layer, and no
-    change to its logits after that layer."""
+    can: a causal LM with transformers' standard loss or an encoder-decoder LM of
+    :data:`SEQ2SEQ_LMS`, a plain ``nn.Linear`` output layer, and no change to its logits after
+    that layer but a soft cap."""
     from transformers.loss.loss_utils import LOSS_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-             for n in ((v,) if isinstance(v, str) else v)}
     name = plain_class(owner).__name__  # LlamaForCausalLM for fully_shard's FSDPLlamaForCausalLM
-    if name not in names:
-        return f"{name} is not a transformers causal LM"
-    # transformers' own rule (PreTrainedModel.loss_function), without its warning.
-    loss = owner.__dict__.get("_loss_function") or LOSS_MAPPING.get(
-        getattr(owner, "loss_type", None), LOSS_MAPPING["ForCausalLM"])
-    if loss is not LOSS_MAPPING["ForCausalLM"]:
-        return f"{name}'s loss is not transformers' ForCausalLM loss"
+    if name not in SEQ2SEQ_LMS:
+        if name not in _causal_lm_names():
+            return f"{name} is not a transformers causal LM (nor an encoder-decoder LM of " \
+                   "sketchprop.activations.loss.SEQ2SEQ_LMS)"
+        # transformers' own rule (PreTrainedModel.loss_function), without its warning.
+        loss = owner.__dict__.get("_loss_function") or LOSS_MAPPING.get(
+            getattr(owner, "loss_type", None), LOSS_MAPPING["ForCausalLM"])
+        if loss is not LOSS_MAPPING["ForCausalLM"]:
+            return f"{name}'s loss is not transformers' ForCausalLM loss"
     if "labels" not in inspect.signature(type(owner).forward).parameters:
         return f"{name}.forward takes no labels"
     head = owner.get_output_embeddings() if hasattr(owner, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return f"its output layer is {type(head).__name__}, not an nn.Linear"
     config = getattr(owner, "config", None)
-    for name in _LOGIT_POSTPROCESSING:
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            return f"it changes its logits after the output layer (config.{name})"
+    for key in _LOGIT_POSTPROCESSING:
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"it changes its logits after the output layer (config.{key})"
     return None
 
 
@@ -198,7 +227,8 @@ class _Capture:
 class LMLossForward:
     """A causal LM's forward that computes its training loss with :func:`chunked_lm_loss`: the
     model's own forward runs without labels while its output layer hands over its input (and
-    returns an empty tensor), and the loss comes from that input. Without labels, without
+    returns an empty tensor), and the loss comes from that input (an encoder-decoder LM's decoder
+    given the decoder input its labels make, and its labels not shifted). Without labels, without
     gradients, in eval mode, with ``return_dict=False`` or once the output layer is no longer an
     ``nn.Linear``, it is the model's own forward. Its signature is the model's (HF's Trainer reads
     it); a ``copy.deepcopy`` of the model calls its own copy."""
@@ -225,7 +255,13 @@ class LMLossForward:
     # trace that), so a compiled model's training forward with labels runs eagerly here.
     @eager_island
     def _chunked(self, head: nn.Linear, labels: Tensor, *args, **kwargs):
-        original = type(self.owner).forward.__get__(self.owner)
+        owner = self.owner
+        original = type(owner).forward.__get__(owner)
+        seq2seq = plain_class(owner).__name__ in SEQ2SEQ_LMS
+        if seq2seq:
+            given = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+            if given.get("decoder_input_ids") is None and given.get("decoder_inputs_embeds") is None:
+                kwargs["decoder_input_ids"] = owner.prepare_decoder_input_ids_from_labels(labels)
         seen = {}
         mine = _capturing.__dict__.setdefault("heads", {})
         mine[id(head)] = seen
@@ -245,7 +281,12 @@ class LMLossForward:
                         del head.forward
                     else:
                         head.forward = capture.previous
-        loss = chunked_lm_loss(seen["hidden"], head.weight, labels, head.bias,
-                               **{k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs})
+        softcap = getattr(owner.config, "final_logit_softcapping", None)
+        if seq2seq:  # CrossEntropyLoss(): labels as they are, a mean over the labelled tokens
+            options = {"shift_labels": labels}
+        else:
+            options = {k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs}
+        loss = chunked_lm_loss(seen["hidden"], head.weight, labels, head.bias, softcap=softcap,
+                               **options)
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         return type(out)(loss=loss, logits=None, **fields)

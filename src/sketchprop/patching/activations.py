@@ -156,9 +156,11 @@ def patch_activations(
             row (:class:`~sketchprop.activations.RMSNormFunction`; exact), ``"coded"``
             (:class:`~sketchprop.activations.CodedRMSNorm`: a ``code_bits``-bit code of its
             output, shared with the next layers; a bias of second order) or ``"stored"``.
-        lm_loss: ``"chunked"``: a causal LM trained with labels computes its loss by chunks of
-            tokens, the logits made again in backward (:func:`~sketchprop.activations.chunked_lm_loss`;
-            exact; ``logits`` is None in the output while it trains with labels), or ``"stored"``.
+        lm_loss: ``"chunked"``: a causal LM (or T5, :data:`~sketchprop.activations.loss.SEQ2SEQ_LMS`)
+            trained with labels computes its loss by chunks of tokens, the logits (soft-capped
+            where its config says so: Gemma 2) made again in backward
+            (:func:`~sketchprop.activations.chunked_lm_loss`; exact; ``logits`` is None in the
+            output while it trains with labels), or ``"stored"``.
         experts: ``"recompute"``: each mixture of experts held as stacked parameters (Mixtral's,
             Qwen3-MoE's ``gate_up_proj[E, 2F, H]``, found by its parameters' shapes,
             :func:`~sketchprop.activations.is_experts`) keeps its input and its router's choices
