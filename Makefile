@@ -188,9 +188,10 @@ equal-bytes: install  ## weight-gradient error against stored bits: sketches, b-
 BUDGET_GIB ?=
 BATCH      ?=
 
-budget: install  ## pick by memory budget: make budget MODEL=roberta-base TASK=cola BUDGET_GIB=8 BATCH=256
+budget: install  ## pick by memory budget: make budget MODEL=roberta-base TASK=cola BUDGET_GIB=8 BATCH=256 (or FAMILY=llama: a family at its published shape)
 	$(PY) scripts/pick_budget.py $(if $(MODEL),--model $(MODEL)) $(if $(TASK),--task $(TASK)) \
+		$(if $(FAMILY),--family $(FAMILY)) \
 		$(if $(BUDGET_GIB),--budget-gib $(BUDGET_GIB)) $(if $(BATCH),--batch $(BATCH)) $(ARGS)
 
-tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files
-	$(PY) scripts/make_tables.py
+tables: install  ## rebuild results/tables/*.md|csv and results/figures/*.png from the run JSON files; FAMILY=llama: that family's frontier only
+	$(PY) scripts/make_tables.py $(if $(FAMILY),--family $(FAMILY))

@@ -5,6 +5,12 @@ says how each number is measured).
     python scripts/pick_budget.py --model roberta-base --task cola --budget-gib 8 --batch 64
     make budget MODEL=roberta-base TASK=cola BUDGET_GIB=8 BATCH=64
     python scripts/pick_budget.py --quick --task cola --budget-gib 1 --batch 8   # tiny model
+    python scripts/pick_budget.py --family llama --budget-gib 24 --batch 8 --length 512
+    make budget FAMILY=llama BUDGET_GIB=24 BATCH=8
+
+With ``--family`` (a family of the architecture matrix: ``sketchprop.report.budget_family``): that
+family at its published shape and depth, random weights, full-length rows of ``--length`` tokens,
+in place of ``--model`` and ``--task``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import sys
 
 from sketchprop.bench.common import ROOT, BadArgs, add_threads_arg, default_glue_dir
 from sketchprop.glue.paths import portable_command
-from sketchprop.report import budget
+from sketchprop.report import budget, budget_family
 
 
 def main(argv=None) -> int:
@@ -32,12 +38,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown here")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test")
+    p.add_argument("--family", default=None,
+                   help="a model family (llama, mistral, gemma2, t5, ...) at its published shape "
+                        "and depth, in place of --model and --task")
+    p.add_argument("--family-width", default="published",
+                   help="published, or tiny (a smoke test: the tiny width at the published depth)")
+    p.add_argument("--length", type=int, default=512, help="--family: tokens per row")
+    p.add_argument("--rows", type=int, default=1, help="--family: rows in the measured forward")
     add_threads_arg(p)
     args = p.parse_args(argv)
     command = portable_command(["python", "scripts/pick_budget.py",
                                 *(argv if argv is not None else sys.argv[1:])])
     try:
-        budget.run(args, command)
+        (budget_family if args.family is not None else budget).run(args, command)
     except BadArgs as err:
         p.error(str(err))
     return 0

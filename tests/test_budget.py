@@ -158,3 +158,64 @@ def test_cli_on_toy_glue(glue_dir, tmp_path):
     fastest = [r for r in rows if "fastest that fits" in r]
     assert len(fastest) == 1 and fastest[0].startswith("| ours | 0.1 |")
     assert "| 0.75 (0.72-0.78) |" in fastest[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# --family: a family at its published shape and depth (tiny width here).
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_a_familys_bytes_per_layer_extrapolate_to_a_deeper_model(name):
+    """Rest plus one layer's bytes times the depth, from 2- and 3-layer models, is what a
+    5-layer model saves, for exact, checkpointing and the lean preset (bytes are deterministic);
+    the meta-device parameter count is a real model's."""
+    from sketchprop.bench import architectures as arch
+    from sketchprop.bench import families as fam
+    from sketchprop.report import budget_family as bf
+
+    saved = bf.saved_per_row(name, fam.TINY, {}, 32, 2)
+    assert {"exact", bf.CKPT, arch.LEAN_FLOOR} <= set(saved)
+    for setup in ("exact", bf.CKPT, arch.LEAN_FLOOR):
+        model = bf._build(name, fam.TINY, {}, 5, 32)
+        if setup == bf.CKPT:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif setup != "exact":
+            arch.apply_setup(model, setup)
+        direct = arch.forward_bytes(model, bf._batch(name, model, 2, 32)) / 2
+        rest, layer = saved[setup]
+        assert rest + 5 * layer == pytest.approx(direct, rel=1e-9), setup
+    real = bf._build(name, fam.TINY, {}, 5, 32)
+    assert bf.parameters(name, fam.TINY, {}, 5, 32) == sum(p.numel() for p in real.parameters())
+
+
+def test_a_familys_plan_arithmetic():
+    from sketchprop.report import budget_family as bf
+
+    saved = {"exact": (100.0, 50.0), bf.CKPT: (20.0, 5.0), "int4": (40.0, 10.0)}
+    rows = {r["setup"]: r for r in bf.plan(saved, layers=4, fixed=1000, budget=10_000, batch=40)}
+    assert rows["exact"]["per_row"] == 300 and rows["exact"]["largest_batch"] == 30
+    assert rows[bf.CKPT]["per_row"] == 20 + 4 * 5 + 50  # plus one exact layer, recomputed
+    assert rows["int4"]["largest_batch"] == math.floor(9000 / 80) and rows["int4"]["fits"]
+    assert not rows["exact"]["fits"] and rows["exact"]["saved_ratio"] == 1.0
+
+
+def test_a_family_budget_end_to_end_and_bad_input(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("pick_budget", SCRIPTS / "pick_budget.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "family.md"
+    assert script.main(["--family", "gpt2", "--family-width", "tiny", "--length", "32",
+                        "--budget-gib", "1", "--batch", "4", "--threads", "1",
+                        "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "--family gpt2" in text.splitlines()[0] and "12 layers" in text
+    setups = [line.split("|")[1].strip() for line in text.splitlines()
+              if line.startswith("| ") and "---" not in line][1:]
+    assert setups == ["exact", "checkpointing", "int4", "floor4", "int4+compact",
+                      "int4+lean(gelu4)+floor4"]
+    for bad, says in ((["--family", "llama3"], "unknown family 'llama3'"),
+                      (["--family", "llama", "--family-width", "wide"], "--family-width"),
+                      (["--family", "llama", "--length", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            script.main(bad)
+        assert says in capsys.readouterr().err

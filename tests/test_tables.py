@@ -707,3 +707,44 @@ def test_the_committed_tables_and_figures_are_what_make_tables_makes(tmp_path):
     after = digest(tmp_path / "results" / "tables") | digest(tmp_path / "results" / "figures")
     assert sorted(set(after) - set(before)) == [], "tables make tables writes but none is committed"
     assert {k for k in before if before[k] != after[k]} == set(), "stale: rerun make tables"
+
+
+def _matrix(tmp_path, tag, cells, times=None):
+    """An architecture-matrix file of one family, ``cells``: ``{setup: (saved, error)}``."""
+    payload = {"environment": {"git_commit": "abc1234"},
+               "width": {"hidden": 64, "heads": 4, "mlp": 128, "layers": 2},
+               "results": [{"family": "llama", "cells": [
+                   {"setup": s, "saved_ratio": b, "error": e, "bias_ratio": 1.0,
+                    "refused": "" if b is not None else "no"} for s, (b, e) in cells.items()]}],
+               "times": times or {}}
+    bench = tmp_path / "results" / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    (bench / f"architectures{'_' + tag if tag else ''}.json").write_text(json.dumps(payload))
+
+
+def test_a_familys_frontier_from_the_matrix_files(tmp_path):
+    from scripts import make_tables
+    from sketchprop.report import family
+
+    _matrix(tmp_path, "", {"int4": (0.7, 0.01), "compact": (0.8, 1e-14), "lean": (0.5, 0.02),
+                           "worse": (0.6, 0.05), "refused": (None, None)})
+    _matrix(tmp_path, "wide", {"int4": (0.6, 0.01)}, times={"llama": {
+        "exact": {"ratio": 1.0, "saved_ratio": 1.0},
+        "checkpointing": {"ratio": 1.25, "saved_ratio": 0.1},
+        "int4": {"ratio": 1.5, "saved_ratio": 0.6}}})
+    results = tmp_path / "results"
+    pts = family.points(json.loads((results / "bench/architectures.json").read_text()), "llama")
+    assert family.front(pts) == {"exact", "compact", "int4", "lean"}  # not "worse", not refused
+    assert "refused" not in {p["setup"] for p in pts}
+    make_tables.main(["--results", str(results), "--family", "llama"])
+    text = (results / "tables/frontier_llama.md").read_text()
+    tiny, wide = text.split("**wide")
+    assert "| worse | 0.600 | 5.0e-02 | 1.0 | - | - |  |" in tiny
+    # timed: each setup over exact's and over checkpointing's, from the same run
+    assert "| checkpointing | 0.100 | 0.0e+00 | - | 1.25 | 1.00 | yes |" in wide
+    assert "| int4 | 0.600 | 1.0e-02 | 1.0 | 1.50 | 1.20 |  |" in wide
+    assert "commit abc1234" in wide
+    with pytest.raises(SystemExit):
+        make_tables.main(["--results", str(results), "--family", "bert"])
+    with pytest.raises(ValueError, match="the matrix has llama"):
+        family.build_family(results, "bert")

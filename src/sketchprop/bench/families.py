@@ -211,3 +211,11 @@ PUBLISHED: dict[str, tuple[str, Width, dict]] = {
                    "num_experts_per_tok": 8, "intermediate_size": 6144}),
     "vit": ("google/vit-base-patch16-224", Width(768, 12, 3072), {"patch_size": 16}),
 }
+
+#: The depth of each :data:`PUBLISHED` checkpoint (its config's layers; T5's encoder and decoder
+#: have as many each): for the budget of a whole model (``scripts/pick_budget.py --family``).
+PUBLISHED_LAYERS: dict[str, int] = {
+    "bert": 12, "roberta": 12, "distilbert": 6, "deberta-v2": 12, "modernbert": 22, "t5": 12,
+    "llama": 16, "qwen2": 24, "qwen3": 28, "mistral": 32, "gemma2": 26, "gemma3": 26,
+    "phi3": 32, "gpt2": 12, "mixtral": 32, "qwen3-moe": 48, "vit": 12,
+}
