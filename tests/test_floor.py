@@ -522,3 +522,22 @@ def test_a_floored_model_saves_loads_and_trains(tmp_path):
     assert coded_bytes <= 0.20 * exact_bytes and all(g is not None for g in grads.values())
     unpatch_activations(loaded)
     assert conv_grads(loaded, x, y)[0] == exact_bytes
+
+
+def test_the_chunked_loss_hands_its_hidden_states_to_the_floor():
+    """The chunked loss keeps the final hidden states: under the floor, as its code (one storage
+    of hidden size per token kept in full without it, none with it), and without the floor
+    exactly the unpatched loss's gradients."""
+    from sketchprop.bench import families as fam
+
+    counts = {}
+    for floor_bits in (None, 4):
+        model = fam.build("llama")
+        patch_activations(model, **{**ALONE, "lm_loss": "chunked"}, floor_bits=floor_bits)
+        batch = fam.make_batch("llama", model)
+        rows = int(batch["labels"][:, 1:].ne(-100).sum())  # the labelled tokens' rows
+        with SavedTensorMeter(model) as meter:
+            loss = model(**batch).loss
+        loss.backward()
+        counts[floor_bits] = sum(n == rows * 64 * 4 for n, _ in meter.records)  # float32, hidden 64
+    assert counts == {None: 1, 4: 0}, counts

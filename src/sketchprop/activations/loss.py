@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..compiling import eager_island
 from ..functional import first_order
 from ..wrappers import plain_class
+from .floor import offer
 from .projections import _autocast_dtype
 
 #: Logits per chunk of :func:`chunked_lm_loss` by default (64 MiB in float32): chunks of a few
@@ -66,6 +67,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 lse[i:i + chunk] = torch.logsumexp(logits, -1)
                 picked = logits.gather(1, target[i:i + chunk, None])[:, 0]
                 total += (lse[i:i + chunk] - picked).sum()
+        # Under the floor, the hidden states are kept as its code (the logits it would have coded
+        # otherwise are made again from them): in full, they were the largest save left where
+        # the vocabulary is small, T5's at hidden 384. Without a floor, exact.
+        offer(h)
         ctx.save_for_backward(h, weight, bias, target, lse)
         ctx.scale, ctx.chunk, ctx.dtype, ctx.softcap = scale, chunk, dtype, softcap
         return total * scale
@@ -118,7 +123,9 @@ def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None
 
     Tokens are taken by chunks of ``chunk_size`` rows (default: as many as make 2^24 logits, 64
     MiB in float32); backward computes each chunk's logits again from the
-    hidden states it kept and the per-token log-sum-exp. Under autocast the logits are computed in
+    hidden states it kept and the per-token log-sum-exp. Under the generic floor
+    (``floor_bits``) the hidden states are kept as its code, as the recomputed attention's Q, K, V
+    are: not exact there. Under autocast the logits are computed in
     autocast's dtype and the softmax in float32, as the unpatched model does. ``softcap`` caps the
     logits to ``softcap * tanh(logits / softcap)`` first (Gemma 2's ``final_logit_softcapping``).
 
