@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--family-width", default="published",
                    help="published, or tiny (a smoke test: the tiny width at the published depth)")
     p.add_argument("--length", type=int, default=512, help="--family: tokens per row")
-    p.add_argument("--rows", type=int, default=1, help="--family: rows in the measured forward")
+    p.add_argument("--rows", type=int, default=1, help="--family: rows in the measured forward (1-4)")
     add_threads_arg(p)
     args = p.parse_args(argv)
     command = portable_command(["python", "scripts/pick_budget.py",

@@ -215,7 +215,10 @@ def test_a_family_budget_end_to_end_and_bad_input(tmp_path, capsys):
                       "int4+lean(gelu4)+floor4"]
     for bad, says in ((["--family", "llama3"], "unknown family 'llama3'"),
                       (["--family", "llama", "--family-width", "wide"], "--family-width"),
-                      (["--family", "llama", "--length", "0"], "must be positive")):
+                      (["--family", "llama", "--length", "0"], "must be positive"),
+                      (["--family", "llama", "--budget-gib", "nan"], "finite"),
+                      (["--family", "llama", "--budget-gib", "inf"], "finite"),
+                      (["--family", "llama", "--rows", "8"], "--rows must be 1 to 4")):
         with pytest.raises(SystemExit):
             script.main(bad)
         assert says in capsys.readouterr().err

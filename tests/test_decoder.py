@@ -5,6 +5,7 @@ against the unpatched model (checkpointing, autocast, LoRA), unbiased where code
 import contextlib
 import copy
 import importlib.util
+import inspect
 import logging
 import threading
 
@@ -272,6 +273,53 @@ def test_the_chunked_loss_of_t5_is_its_own(decoder_input):
         b["labels"] = b["labels"][:, :7].contiguous()
     assert_same(loss_and_grads(model, b), loss_and_grads(ref, b))
     assert model(**b).logits is None
+
+
+def test_t5_by_position_is_its_own_call():
+    """Arguments by position (T5's decoder input as None, labels too) bind as the model's own
+    forward binds them: the chunked loss is the unpatched model's."""
+    torch.manual_seed(0)
+    ref = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    model = copy.deepcopy(ref)
+    patch_activations(model, attention="stored", dropout="stored", rmsnorm="stored",
+                      mlp="stored", lm_loss="chunked")
+    b = batch()
+    names = list(inspect.signature(type(ref).forward).parameters)[1:]
+    at = names.index("labels")
+    args = [b["input_ids"], b["attention_mask"], *[None] * (at - 2), b["labels"]]
+    assert names[2] == "decoder_input_ids"
+    ref.train(), model.train()
+    want, got = ref(*args).loss, model(*args).loss
+    torch.testing.assert_close(got, want)
+    assert model(*args).logits is None  # (chunked: labels found by position)
+
+
+def test_a_cap_under_another_name_is_applied():
+    """RecurrentGemma caps its logits under config.logits_soft_cap: the chunked loss caps them
+    as well, and gives the unpatched loss and gradients."""
+    torch.manual_seed(0)
+    ref = tf.RecurrentGemmaForCausalLM(tf.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=8,
+        logits_soft_cap=1.5, pad_token_id=0, block_types=["recurrent", "attention"]))
+    model = copy.deepcopy(ref)
+    assert patch_activations(model, lm_loss="chunked", rmsnorm="stored", mlp="stored",
+                             gelu_bits=None, attention="stored") == ["lm_head"]
+    assert_same(loss_and_grads(model, batch()), loss_and_grads(ref, batch()))
+
+
+def test_a_multiplier_after_the_output_layer_is_refused():
+    """FalconH1 multiplies its logits (config.lm_head_multiplier): the chunked loss would leave
+    the multiplier out, so it is refused by name."""
+    model = tf.FalconH1ForCausalLM(tf.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32,
+        mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, lm_head_multiplier=3.0,
+        pad_token_id=0))
+    with pytest.raises(ValueError, match="lm_head_multiplier"):
+        patch_activations(model, lm_loss="chunked")
 
 
 def test_an_encoder_decoder_lm_with_a_logits_bias_keeps_its_loss():

@@ -735,6 +735,9 @@ def test_a_familys_frontier_from_the_matrix_files(tmp_path):
     results = tmp_path / "results"
     pts = family.points(json.loads((results / "bench/architectures.json").read_text()), "llama")
     assert family.front(pts) == {"exact", "compact", "int4", "lean"}  # not "worse", not refused
+    nan = [*pts, {"setup": "unmeasured", "saved": 0.01, "error": None, "bias": None,
+                  "time": None, "time_ckpt": None}]
+    assert family.front(nan) == family.front(pts)  # an error not measured (NaN) is on no front
     assert "refused" not in {p["setup"] for p in pts}
     make_tables.main(["--results", str(results), "--family", "llama"])
     text = (results / "tables/frontier_llama.md").read_text()

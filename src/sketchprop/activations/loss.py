@@ -159,8 +159,27 @@ def chunked_lm_loss(hidden_states: Tensor, weight: Tensor, labels: Tensor | None
 
 
 #: Config attributes that, set, make a model change its logits after the output layer (besides
-#: ``final_logit_softcapping``, which the chunked loss applies).
-_LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+#: the soft caps of :data:`_SOFTCAPS`, which the chunked loss applies).
+_LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "output_multiplier_scale",
+                         "lm_head_multiplier")
+#: Config attributes of a soft cap on the logits, ``cap * tanh(logits / cap)`` (Gemma 2's and
+#: Gemma 3n's, RecurrentGemma's).
+_SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")
+
+
+def _configs(owner: nn.Module) -> list:
+    """The model's config and, a multimodal model's, its text model's (where Gemma 3n keeps its
+    cap)."""
+    config = getattr(owner, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    return [c for c in (config, text) if c is not None]
+
+
+def logit_softcap(owner: nn.Module) -> float | None:
+    """The soft cap ``owner`` puts on its logits after its output layer, or None."""
+    caps = [getattr(c, k) for c in _configs(owner) for k in _SOFTCAPS
+            if getattr(c, k, None) is not None]
+    return float(caps[0]) if caps else None
 
 #: Encoder-decoder LMs whose training loss is ``CrossEntropyLoss()`` (a mean over the labelled
 #: tokens, labels not shifted) of their output layer on what it reads, and whose decoder reads
@@ -199,10 +218,13 @@ def lm_loss_refusal(owner: nn.Module) -> str | None:
     head = owner.get_output_embeddings() if hasattr(owner, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return f"its output layer is {type(head).__name__}, not an nn.Linear"
-    config = getattr(owner, "config", None)
-    for key in _LOGIT_POSTPROCESSING:
-        if getattr(config, key, None) not in (None, 1, 1.0):
-            return f"it changes its logits after the output layer (config.{key})"
+    for config in _configs(owner):
+        for key in _LOGIT_POSTPROCESSING:
+            if getattr(config, key, None) not in (None, 1, 1.0):
+                return f"it changes its logits after the output layer (config.{key})"
+    if len({float(getattr(c, k)) for c in _configs(owner) for k in _SOFTCAPS
+            if getattr(c, k, None) is not None}) > 1:
+        return "its config and its text config give different caps on its logits"
     return None
 
 
@@ -231,6 +253,26 @@ class _Capture:
         return x.new_empty(*x.shape[:-1], 0)
 
 
+def _by_name(forward, owner: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A call's arguments to ``forward`` (a model's, unbound) as keywords; raises TypeError as
+    the call would, where they do not bind."""
+    sig = inspect.signature(forward)
+    bound = sig.bind(owner, *args, **kwargs).arguments
+    out = {}
+    for i, (name, value) in enumerate(bound.items()):
+        kind = sig.parameters[name].kind
+        if i == 0:
+            continue  # the model itself
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError(f"{type(owner).__name__}.forward takes *{name}: pass its inputs by "
+                            "name under lm_loss='chunked'")
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
 class LMLossForward:
     """A causal LM's forward that computes its training loss with :func:`chunked_lm_loss`: the
     model's own forward runs without labels while its output layer hands over its input (and
@@ -247,8 +289,12 @@ class LMLossForward:
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(type(self.owner).forward.__get__(self.owner))
 
-    def __call__(self, *args, labels=None, **kwargs):
+    def __call__(self, *args, **kwargs):
         owner = self.owner
+        if args:  # by name: labels and an encoder-decoder's decoder input may come by position
+            kwargs = _by_name(type(owner).forward, owner, args, kwargs)
+            args = ()
+        labels = kwargs.pop("labels", None)
         head = owner.get_output_embeddings()
         if labels is None or not (owner.training and torch.is_grad_enabled()) \
                 or kwargs.get("return_dict") is False or type(head) is not nn.Linear:
@@ -265,10 +311,9 @@ class LMLossForward:
         owner = self.owner
         original = type(owner).forward.__get__(owner)
         seq2seq = plain_class(owner).__name__ in SEQ2SEQ_LMS
-        if seq2seq:
-            given = inspect.signature(original).bind_partial(*args, **kwargs).arguments
-            if given.get("decoder_input_ids") is None and given.get("decoder_inputs_embeds") is None:
-                kwargs["decoder_input_ids"] = owner.prepare_decoder_input_ids_from_labels(labels)
+        if seq2seq and kwargs.get("decoder_input_ids") is None \
+                and kwargs.get("decoder_inputs_embeds") is None:
+            kwargs["decoder_input_ids"] = owner.prepare_decoder_input_ids_from_labels(labels)
         seen = {}
         mine = _capturing.__dict__.setdefault("heads", {})
         mine[id(head)] = seen
@@ -288,7 +333,7 @@ class LMLossForward:
                         del head.forward
                     else:
                         head.forward = capture.previous
-        softcap = getattr(owner.config, "final_logit_softcapping", None)
+        softcap = logit_softcap(owner)
         if seq2seq:  # CrossEntropyLoss(): labels as they are, a mean over the labelled tokens
             options = {"shift_labels": labels}
         else:

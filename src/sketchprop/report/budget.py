@@ -278,7 +278,8 @@ def run(args, command: str) -> str:
     glue = Path(args.glue_dir)
     if not (glue / task / "train.tsv").is_file():
         raise BadArgs(f"{glue} lacks {task}/train.tsv")
-    if args.budget_gib <= 0 or args.batch < 1 or args.ref_batch < 1:
+    if not (math.isfinite(args.budget_gib) and args.budget_gib > 0) or args.batch < 1 \
+            or args.ref_batch < 1:
         raise BadArgs("--budget-gib, --batch and --ref-batch must be positive")
     dev = setup_device(args.device, args.threads)
     examples = mt.read_split(glue, task, "train")

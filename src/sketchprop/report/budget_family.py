@@ -131,8 +131,11 @@ def plan(saved: dict[str, tuple[float, float]], layers: int, fixed: int, budget:
 def run(args, command: str) -> str:
     """The table for ``scripts/pick_budget.py --family``; printed, and written to ``args.out``."""
     check(args.family, args.family_width)
-    if args.budget_gib <= 0 or args.batch < 1 or args.rows < 1 or args.length < 1:
-        raise BadArgs("--budget-gib, --batch, --rows and --length must be positive")
+    if not (math.isfinite(args.budget_gib) and args.budget_gib > 0) or args.batch < 1 \
+            or args.length < 1:
+        raise BadArgs("--budget-gib (finite), --batch and --length must be positive")
+    if not 1 <= args.rows <= 4:
+        raise BadArgs(f"--rows must be 1 to 4 (the matrix's batch has four), got {args.rows}")
     setup_device("cpu", args.threads)
     w, overrides, layers = _shape(args.family, args.family_width)
     params = parameters(args.family, w, overrides, layers, args.length)

@@ -12,7 +12,8 @@ Read from the matrix's files alone (``results/bench/architectures*.json`` of
 
 Exact (1, error 0) and checkpointing (where timed, with its measured bytes) are points too. The
 front: the setups no other setup beats on both saved bytes and gradient error (lower or equal
-both, one strictly); at published widths, where no error was measured, on bytes alone. Writes
+both, one strictly; a setup without a measured error, NaN say, is on none); at published widths,
+where no error was measured, on bytes alone. Writes
 ``results/tables/frontier_<family>.md``.
 """
 
@@ -66,11 +67,14 @@ def points(payload: dict, family: str) -> list[dict]:
 
 
 def front(pts: list[dict]) -> set[str]:
-    """The setups on the front (module docstring): bytes and error, or bytes alone where a point
-    has no error."""
+    """The setups on the front (module docstring): of bytes and error, among the points whose
+    error was measured (a setup whose error is not, NaN say, is on no front), or of bytes alone
+    where no setup's error was (published widths)."""
+    errors = any(p["error"] is not None for p in pts if p["setup"] not in ("exact", "checkpointing"))
+
     def key(p):
-        return (p["saved"], p["error"] if p["error"] is not None else 0.0)
-    known = [p for p in pts if p["saved"] is not None]
+        return (p["saved"], p["error"] if errors else 0.0)
+    known = [p for p in pts if p["saved"] is not None and (p["error"] is not None or not errors)]
     return {p["setup"] for p in known
             if not any(all(a <= b for a, b in zip(key(q), key(p), strict=True)) and key(q) != key(p)
                        for q in known)}
