@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from sketchprop.bench.common import ROOT, BadArgs, add_threads_arg, default_glue_dir
 from sketchprop.glue.paths import portable_command
@@ -50,9 +51,15 @@ def main(argv=None) -> int:
     command = portable_command(["python", "scripts/pick_budget.py",
                                 *(argv if argv is not None else sys.argv[1:])])
     try:
-        (budget_family if args.family is not None else budget).run(args, command)
+        text = (budget_family if args.family is not None else budget).run(args, command)
     except BadArgs as err:
         p.error(str(err))
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
     return 0
 
 

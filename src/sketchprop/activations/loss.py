@@ -175,11 +175,17 @@ def _configs(owner: nn.Module) -> list:
     return [c for c in (config, text) if c is not None]
 
 
+def _softcaps(owner: nn.Module) -> set[float]:
+    """The soft caps ``owner``'s configs give its logits (one, or none, unless they disagree)."""
+    return {float(getattr(c, k)) for c in _configs(owner) for k in _SOFTCAPS
+            if getattr(c, k, None) is not None}
+
+
 def logit_softcap(owner: nn.Module) -> float | None:
-    """The soft cap ``owner`` puts on its logits after its output layer, or None."""
-    caps = [getattr(c, k) for c in _configs(owner) for k in _SOFTCAPS
-            if getattr(c, k, None) is not None]
-    return float(caps[0]) if caps else None
+    """The soft cap ``owner`` puts on its logits after its output layer, or None (two caps that
+    disagree: :func:`lm_loss_refusal` refuses the model)."""
+    caps = _softcaps(owner)
+    return min(caps) if caps else None
 
 #: Encoder-decoder LMs whose training loss is ``CrossEntropyLoss()`` (a mean over the labelled
 #: tokens, labels not shifted) of their output layer on what it reads, and whose decoder reads
@@ -222,8 +228,7 @@ def lm_loss_refusal(owner: nn.Module) -> str | None:
         for key in _LOGIT_POSTPROCESSING:
             if getattr(config, key, None) not in (None, 1, 1.0):
                 return f"it changes its logits after the output layer (config.{key})"
-    if len({float(getattr(c, k)) for c in _configs(owner) for k in _SOFTCAPS
-            if getattr(c, k, None) is not None}) > 1:
+    if len(_softcaps(owner)) > 1:
         return "its config and its text config give different caps on its logits"
     return None
 

@@ -214,6 +214,14 @@ def apply_setup(model: nn.Module, setup: str) -> tuple[str, str]:
     return linear, ""
 
 
+def undo_setup(model: nn.Module, setup: str, refused: str) -> None:
+    """Put back what :func:`apply_setup` of ``setup`` patched (``refused``: its refusal)."""
+    if SETUPS[setup][1] is not None and not refused:
+        unpatch_activations(model)
+    if SETUPS[setup][0] is not None:
+        unpatch_linear(model)
+
+
 def patch_logged(model: nn.Module, cell: Cell) -> None:
     """:func:`apply_setup` of ``cell.setup`` on ``model``, its outcome and ``patch_activations``'
     log line (the parts applied and left) into ``cell``."""
@@ -233,7 +241,6 @@ def patch_logged(model: nn.Module, cell: Cell) -> None:
 def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tuple) -> Cell:
     """Family ``name`` patched by ``setup``: its cell (module docstring)."""
     ref, ref_loss, exact_bytes = exact
-    bits, activations = SETUPS[setup]
     cell = Cell(setup)
     start = time.perf_counter()
     model, batch = build(name, width)
@@ -261,10 +268,7 @@ def measure_setup(name: str, width: fam.Width, setup: str, steps: int, exact: tu
     spread = cell.error - bias
     cell.bias_ratio = (bias / (cell.error / steps) if cell.error > 0 and spread > 1e-3 * cell.error
                        else None)
-    if activations is not None:
-        unpatch_activations(model)
-    if bits is not None:
-        unpatch_linear(model)
+    undo_setup(model, setup, cell.refused)
     back, loss, _ = grads(model, batch)
     cell.round_trip_exact = torch.equal(loss, ref_loss) and back.keys() == ref.keys() and all(
         torch.equal(back[n], ref[n]) for n in ref)
@@ -306,10 +310,7 @@ def measure_published(name: str, setups: list[str], length: int) -> Row:
         patch_logged(model, cell)
         if not cell.refused:
             cell.saved_ratio = forward_bytes(model, batch) / row.saved_bytes_exact
-        if SETUPS[setup][1] is not None and not cell.refused:
-            unpatch_activations(model)
-        if SETUPS[setup][0] is not None:
-            unpatch_linear(model)
+        undo_setup(model, setup, cell.refused)
         cell.seconds = time.perf_counter() - start
         row.cells.append(asdict(cell))
     return row

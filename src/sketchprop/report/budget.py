@@ -271,8 +271,8 @@ def check_against_peaks(rows: list[dict], fixed: dict, memory_dir: Path, task: s
 
 
 def run(args, command: str) -> str:
-    """The pick-by-budget table for ``scripts/pick_budget.py``'s options ``args``, printed, and
-    written to ``args.out`` when given; ``command`` is recorded in it. Bad options raise
+    """The pick-by-budget table for ``scripts/pick_budget.py``'s options ``args`` (the script
+    prints it and writes ``--out``); ``command`` is recorded in it. Bad options raise
     :class:`~sketchprop.bench.common.BadArgs` before any work."""
     task = task_dir(args.task)
     glue = Path(args.glue_dir)
@@ -314,10 +314,4 @@ def run(args, command: str) -> str:
         meta["check"], meta["check_kind"] = check_against_peaks(rows, fixed, Path(args.memory_dir),
                                                                 task, l_max)
     text = render(rows, meta)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(f"wrote {out}")
     return text

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import gc
 import math
-from pathlib import Path
 
 import torch
 
 from ..bench import architectures as arch
 from ..bench import families as fam
 from ..bench.common import BadArgs, fmt_table, setup_device
-from ..patching import unpatch_activations, unpatch_linear
 
 GIB = 2**30
 #: The setups of the matrix the budget measures, besides exact and checkpointing.
@@ -102,10 +100,7 @@ def saved_per_row(name: str, w: fam.Width, overrides: dict, length: int,
             _, refused = arch.apply_setup(model, setup)
             if not refused:
                 out.setdefault(setup, []).append(arch.forward_bytes(model, batch) / rows)
-            if arch.SETUPS[setup][1] is not None and not refused:
-                unpatch_activations(model)
-            if arch.SETUPS[setup][0] is not None:
-                unpatch_linear(model)
+            arch.undo_setup(model, setup, refused)
         del model
         gc.collect()
     return {s: (v[0] - DEPTHS[0] * (v[1] - v[0]), v[1] - v[0]) for s, v in out.items()
@@ -129,7 +124,8 @@ def plan(saved: dict[str, tuple[float, float]], layers: int, fixed: int, budget:
 
 
 def run(args, command: str) -> str:
-    """The table for ``scripts/pick_budget.py --family``; printed, and written to ``args.out``."""
+    """The table for ``scripts/pick_budget.py --family`` (which prints it and writes
+    ``--out``)."""
     check(args.family, args.family_width)
     if not (math.isfinite(args.budget_gib) and args.budget_gib > 0) or args.batch < 1 \
             or args.length < 1:
@@ -163,10 +159,4 @@ def run(args, command: str) -> str:
         f"with 2 and 3 layers, extrapolated to {layers} (sketchprop.report.budget_family's "
         "docstring); checkpointing adds what one layer saves while backward recomputes it. Step "
         "time is not measured here.", "", table, ""])
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(f"wrote {out}")
     return text
