@@ -30,7 +30,8 @@ def main(argv=None) -> None:
     p.add_argument("--time", action="store_true",
                    help="also time a step of exact, checkpointing and --time-setups")
     p.add_argument("--time-setups",
-                   default=f"int4+lean+floor4,int4+lean-gelu+floor4,{architectures.LEAN_FLOOR}")
+                   default=f"int4+lean+floor4,int4+lean-gelu+floor4,{architectures.LEAN_FLOOR},"
+                           f"{architectures.LEAN_FLOOR_SRHT}")
     p.add_argument("--time-length", type=int, default=512,
                    help="tokens per row when timing, and at --width published")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")

@@ -9,8 +9,11 @@ import json
 import subprocess
 
 import pytest
+import torch
 from test_bench_scripts import py, run_script
 
+from sketchprop.bench import architectures as arch
+from sketchprop.bench import families as fam
 from sketchprop.bench.architectures import LEAN_FLOOR
 from sketchprop.bench.families import FAMILIES
 
@@ -88,3 +91,21 @@ def test_published_widths_measure_saved_bytes(tmp_path):
     proc = subprocess.run(py("architectures.py", "--width", "published", "--families", "convnet"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "unknown setup or family ['convnet']" in proc.stderr
+
+
+def test_timing_runs_every_model_with_the_familys_fastest_exact_attention(monkeypatch):
+    """Exact, checkpointing and each setup are timed with SDPA where the family has it (its fused
+    kernels are not a saving of the setups), eager where SDPA would not compute the family's own
+    attention (Gemma 2's soft cap) or the family has none (DeBERTa-v2)."""
+    built, real = [], arch.build
+
+    def spy(name, width, positions=None, overrides=None, attention="eager"):
+        built.append(attention)
+        return real(name, width, positions, overrides, attention)
+    monkeypatch.setattr(arch, "build", spy)
+    stats = arch.time_family("llama", fam.TINY, [arch.LEAN_FLOOR_SRHT], 16, 1,
+                             torch.device("cpu"))
+    assert built == ["sdpa"] * 3 and stats["exact"]["attention"] == "sdpa"
+    assert set(stats) == {"exact", "checkpointing", arch.LEAN_FLOOR_SRHT}
+    assert fam.fastest_attention("gemma2") == fam.fastest_attention("deberta-v2") == "eager"
+    assert fam.fastest_attention("gemma3") == fam.fastest_attention("gpt2") == "sdpa"

@@ -151,6 +151,9 @@ def identity_codes(monkeypatch, module):
 
 def test_rotary_attention_made_again_from_its_input_is_the_kept_qkv(monkeypatch):
     identity_codes(monkeypatch, attention)
+    # the probabilities as the exact recompute computes them (not the fused kernels, whose
+    # rounding differs: tested below), so that the rotated Q, K, V are checked bit for bit
+    monkeypatch.setattr(attention, "fused_cpu", lambda *args: False)
     inputs = full_batch()
     kept = tiny_llama().train()
     patch_activations(kept, attention="recompute", mlp="stored", rmsnorm="stored",
@@ -167,6 +170,71 @@ def test_rotary_attention_made_again_from_its_input_is_the_kept_qkv(monkeypatch)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys()
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def padded_batch(n=3, length=12, left=False):
+    """Rows of ``length`` tokens, the later ones shorter, padded on the right (``left``: on the
+    left, where a causal row's first queries attend to no key)."""
+    ids = torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(2))
+    mask = (torch.arange(length)[None, :] < torch.tensor([length - 4 * i for i in range(n)])[:, None])
+    mask = mask.flip(1) if left else mask
+    return {"input_ids": ids.masked_fill(~mask, 0), "attention_mask": mask.long(),
+            "labels": ids.masked_fill(~mask, -100)}
+
+
+def coded_grads(inputs, fused: bool, monkeypatch, **config) -> tuple[dict, list]:
+    """Gradients of a tiny Llama under ``attention="coded"`` from exact codes, through the fused
+    CPU kernels or not (``fused``), and the ``is_causal`` of each fused kernel call."""
+    calls = []
+    kernel = attention._FLASH_CPU
+
+    def spy(*args, **kwargs):
+        calls.append(args[4])
+        return kernel(*args, **kwargs)
+    with monkeypatch.context() as m:
+        identity_codes(m, attention)
+        m.setattr(attention, "_FLASH_CPU", spy)
+        if not fused:
+            m.setattr(attention, "fused_cpu", lambda *args: False)
+        model = tiny_llama(**config).train()
+        patch_activations(model, attention="coded", mlp="stored", rmsnorm="stored",
+                          lm_loss="stored", dropout="stored")
+        return grads(model, inputs), calls
+
+
+@pytest.mark.parametrize("batch", ["full", "right", "left"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_coded_attention_through_the_fused_kernels_is_the_unfused_to_rounding(
+        batch, kv_heads, monkeypatch):
+    inputs = {"full": full_batch, "right": padded_batch,
+              "left": lambda: padded_batch(left=True)}[batch]()
+    want, none = coded_grads(inputs, False, monkeypatch, kv_heads=kv_heads)
+    got, calls = coded_grads(inputs, True, monkeypatch, kv_heads=kv_heads)
+    assert not none
+    # each layer: forward, and forward again in backward; the causal pattern alone as is_causal;
+    # not where a query has no key to attend to (left padding): the kernels' backward is not its
+    # gradient there
+    assert calls == ([] if batch == "left" else [batch == "full"] * 4)
+    assert got.keys() == want.keys()
+    for n in want:  # float32 rounding of a different order of sums
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_fused_kernels_take_no_dropout_cap_learned_bias_or_blind_query():
+    q, mask = torch.zeros(1, 2, 4, 8), torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    assert attention.fused_cpu(q, mask, 0.0, None, None)
+    assert attention.fused_cpu(q, None, 0.0, None, None)
+    blind = mask.clone()
+    blind[..., 0, :] = False  # a query with no key
+    assert not attention.fused_cpu(q, blind, 0.0, None, None)
+    additive = torch.zeros(mask.shape).masked_fill(~blind, torch.finfo(torch.float32).min)
+    assert not attention.fused_cpu(q, additive, 0.0, None, None)
+    assert attention.fused_cpu(q, torch.zeros(mask.shape), 0.0, None, None)
+    assert not attention.fused_cpu(q, mask, 0.1, None, None)  # the kernels draw no dropout
+    assert not attention.fused_cpu(q, mask, 0.0, None, 50.0)  # Gemma 2's cap
+    assert not attention.fused_cpu(q, mask, 0.0, torch.zeros(1, 2, 4, 4), None)  # T5's bias
+    assert not attention.fused_cpu(q.double(), mask, 0.0, None, None)
+    assert not attention.fused_cpu(q.to("meta"), None, 0.0, None, None)
 
 
 def test_gated_mlp_made_again_from_its_code_is_mlp_input(monkeypatch):

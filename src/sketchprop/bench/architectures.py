@@ -28,7 +28,9 @@ With ``--time``, each family's step time (forward and backward) on full-length r
 ``--time-length`` tokens (4 rows; ViT: 4 images of about as many patches; the conv net's batch
 as above): exact, activation
 checkpointing (transformers' ``gradient_checkpointing_enable``, non-reentrant; none for the conv
-net) and the setups of ``--time-setups``, interleaved round-robin and each sample divided by the
+net) and the setups of ``--time-setups``, each model with the family's fastest exact attention
+(SDPA where transformers has it for the family, else eager:
+:func:`~sketchprop.bench.families.fastest_attention`), interleaved round-robin and each sample divided by the
 exact steps that bracket it (:func:`~sketchprop.bench.common.interleaved_times`), so the ratios
 hold under a drifting load; the saved bytes of the same batch beside them.
 
@@ -69,29 +71,36 @@ from .common import (
 #: Every part of ``patch_activations`` off but the floor: the floor alone.
 _FLOOR_ALONE = {k: v for k, v in PARTS_OFF.items() if k != "floor_bits"}
 
-#: Setup name: (``patch_linear``'s bits or None, ``patch_activations``' arguments or None).
-SETUPS: dict[str, tuple[int | None, dict | None]] = {
-    "int4": (4, None),
+#: ``patch_linear(bits=4)``: the default (the paper's Gaussian) sketch, its rows as 4-bit codes.
+_INT4 = {"bits": 4}
+#: Setup name: (``patch_linear``'s arguments or None, ``patch_activations``' arguments or None).
+SETUPS: dict[str, tuple[dict | None, dict | None]] = {
+    "int4": (_INT4, None),
     "floor8": (None, {**_FLOOR_ALONE, "floor_bits": 8}),
     "floor4": (None, {**_FLOOR_ALONE, "floor_bits": 4}),
     "floor2": (None, {**_FLOOR_ALONE, "floor_bits": 2}),
     "compact": (None, {}),
-    "int4+compact": (4, {}),
+    "int4+compact": (_INT4, {}),
     # lean, as the other tables name it: its structural parts, the 2-bit GELU code, no floor
     "lean": (None, LEAN_PARTS),
-    "int4+lean": (4, LEAN_PARTS),
-    "int4+lean+floor8": (4, {**LEAN_PARTS, "floor_bits": 8}),
-    "int4+lean+floor4": (4, {**LEAN_PARTS, "floor_bits": 4}),
+    "int4+lean": (_INT4, LEAN_PARTS),
+    "int4+lean+floor8": (_INT4, {**LEAN_PARTS, "floor_bits": 8}),
+    "int4+lean+floor4": (_INT4, {**LEAN_PARTS, "floor_bits": 4}),
     # lean less its GELU code: GELU's input left to the floor's 4-bit code, not lean's 2-bit
     # code of GELU's derivative
-    "int4+lean-gelu+floor4": (4, {**LEAN_PARTS, "floor_bits": 4, "gelu_bits": None}),
+    "int4+lean-gelu+floor4": (_INT4, {**LEAN_PARTS, "floor_bits": 4, "gelu_bits": None}),
     # the lean preset as it is (patch_activations(preset="lean")): a 4-bit code of GELU's
     # derivative, as many bits as the floor's code of its input, and the floor at 4 bits
-    "int4+lean(gelu4)+floor4": (4, {"preset": "lean"}),
+    "int4+lean(gelu4)+floor4": (_INT4, {"preset": "lean"}),
+    # the same with the sketch recommended on a CPU (results/bench/README.md): the same rows
+    # and bytes, the Hadamard transform within blocks of 8 rows in place of a dense Gaussian
+    "int4(blocksrht)+lean(gelu4)+floor4": ({**_INT4, "sketch": "blocksrht"}, {"preset": "lean"}),
 }
 #: The setup the measurements picked for lean with the floor, the lean preset's defaults
 #: (docs/library.md, "The generic floor").
 LEAN_FLOOR = "int4+lean(gelu4)+floor4"
+#: The same with the sketch recommended on a CPU.
+LEAN_FLOOR_SRHT = "int4(blocksrht)+lean(gelu4)+floor4"
 WIDTHS = {"tiny": fam.TINY, "wide": fam.WIDE}
 #: The setups measured at the published widths (``--width published``), where each forward takes
 #: up to a minute: int4 and the floor alone, lean without and with the floor, the preset.
@@ -118,10 +127,11 @@ class ConvNet(nn.Module):
 
 
 def build(name: str, width: fam.Width, positions: int | None = None,
-          overrides: dict | None = None) -> tuple[nn.Module, dict]:
+          overrides: dict | None = None, attention: str = "eager") -> tuple[nn.Module, dict]:
     """Family ``name`` (or the conv net) at ``width`` (config ``overrides`` on top) and its batch;
     ``positions``: room for rows of that many tokens where the config sets a maximum (RoBERTa's
-    positions start after its padding index)."""
+    positions start after its padding index); ``attention``: the transformers model's attention
+    implementation."""
     if name == CONV:
         torch.manual_seed(0)
         model = ConvNet(width.hidden).train()
@@ -135,7 +145,7 @@ def build(name: str, width: fam.Width, positions: int | None = None,
                      if getattr(config, k, None) is not None})
         if fam.FAMILIES[name].kind == "image":  # images of about ``positions`` patches
             room["image_size"] = config.patch_size * math.isqrt(positions)
-    model = fam.build(name, width, **room)
+    model = fam.build(name, width, attention=attention, **room)
     return model, fam.make_batch(name, model)
 
 
@@ -199,11 +209,11 @@ def apply_setup(model: nn.Module, setup: str) -> tuple[str, str]:
     """Patch ``model`` by ``setup`` (its GELU code only where the model has a GELU): the linear
     layers patched of the model's (``"k of n"``, or ``""``), and ``patch_activations``' refusal
     where nothing of it applies (else ``""``)."""
-    bits, activations = SETUPS[setup]
+    linear_args, activations = SETUPS[setup]
     linear = ""
-    if bits is not None:
+    if linear_args is not None:
         count = sum(_is_linear(m) for m in model.modules())
-        linear = f"{len(patch_linear(model, bits=bits))} of {count}"
+        linear = f"{len(patch_linear(model, **linear_args))} of {count}"
     if activations is not None:
         try:
             patch_activations(model, **for_model(model, activations))
@@ -340,14 +350,17 @@ def time_family(name: str, width: fam.Width, setups: list[str], length: int, rep
     """Family ``name``'s step time under exact, checkpointing and ``setups`` (module docstring):
     ``{method: {"median_s", "ratio", ..., "saved_ratio"}}``."""
     models = {}
-    exact, _ = build(name, width, length)
+    # Every model with the family's fastest exact attention (SDPA where it has it): the speed of
+    # fused attention kernels is not a saving of the setups, exact and checkpointing take it too.
+    attention = "eager" if name == CONV else fam.fastest_attention(name)
+    exact, _ = build(name, width, length, attention=attention)
     models["exact"] = exact
     if getattr(exact, "supports_gradient_checkpointing", False):
-        ckpt, _ = build(name, width, length)
+        ckpt, _ = build(name, width, length, attention=attention)
         ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         models["checkpointing"] = ckpt
     for setup in setups:
-        model, _ = build(name, width, length)
+        model, _ = build(name, width, length, attention=attention)
         if apply_setup(model, setup)[1]:  # refused as in the matrix: not timed
             continue
         models[setup] = model
@@ -364,6 +377,7 @@ def time_family(name: str, width: fam.Width, setups: list[str], length: int, rep
                                           warmup=1, repeats=repeats), "exact")
     for m in stats:
         stats[m]["saved_ratio"] = saved[m] / saved["exact"]
+    stats["exact"]["attention"] = attention
     return stats
 
 
@@ -425,7 +439,8 @@ def tables(payload: dict) -> str:
             methods += [m for m in stats if m not in ("exact", *methods)]
         lines = []
         for family, stats in payload["times"].items():
-            row = [family, f"{stats['exact']['median_s']:.3f}"]
+            row = [family, stats["exact"].get("attention", "eager"),
+                   f"{stats['exact']['median_s']:.3f}"]
             for m in methods:
                 st = stats.get(m)
                 row.append("-" if st is None else f"{st['ratio']:.2f} [{st['ratio_q1']:.2f}, "
@@ -436,7 +451,8 @@ def tables(payload: dict) -> str:
                 if m in stats))
             lines.append(row)
         out.append(fmt_table(
-            ["family", "exact s/step", *[f"{m}: time / exact [quartiles] / saved bytes / exact"
+            ["family", "exact's attention", "exact s/step",
+             *[f"{m}: time / exact [quartiles] / saved bytes / exact"
                                          for m in methods], "faster than checkpointing"], lines,
             title=f"Step time on {a['time_length']} full-length tokens x 4 rows (hidden "
                   f"{w['hidden']}, {w['layers']} layers; {a['repeats']} interleaved rounds, each "

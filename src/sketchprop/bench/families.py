@@ -128,10 +128,12 @@ def config_of(name: str, width: Width = TINY, **overrides):
     return getattr(transformers, family.config)(**values)
 
 
-def build(name: str, width: Width = TINY, seed: int = 0, **overrides) -> nn.Module:
+def build(name: str, width: Width = TINY, seed: int = 0, attention: str = "eager",
+          **overrides) -> nn.Module:
     """Family ``name`` at ``width`` (config ``overrides`` on top), random weights from ``seed``,
-    in training mode, with eager attention (what a CPU run uses; the patches switch it where
-    they apply)."""
+    in training mode, with ``attention`` as its attention implementation: eager by default
+    (the probabilities computed and kept: the bytes tables' baseline; the patches switch it
+    where they apply), ``"sdpa"`` where the family has it (:func:`fastest_attention`)."""
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -141,8 +143,19 @@ def build(name: str, width: Width = TINY, seed: int = 0, **overrides) -> nn.Modu
     config = config_of(name, width, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, FAMILIES[name].model)._from_config(
-        config, attn_implementation="eager")
+        config, attn_implementation=attention)
     return model.train()
+
+
+def fastest_attention(name: str) -> str:
+    """The fastest attention implementation that computes family ``name``'s own attention:
+    ``"sdpa"`` where transformers has it for the family (PyTorch's fused kernels; on a CPU a
+    fraction of eager's time at long rows), else ``"eager"`` (DeBERTa-v2's own attention, Gemma 2's
+    soft cap, which SDPA lacks). What a fair exact baseline runs."""
+    import transformers
+
+    model = getattr(transformers, FAMILIES[name].model)
+    return "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
 
 
 def make_batch(name: str, model: nn.Module, batch: int = 4, length: int = 48,
