@@ -6,6 +6,8 @@ it).
     python scripts/architectures.py --width wide --tag wide   # hidden 384: architectures_wide.*
     python scripts/architectures.py --width wide --time --tag wide_time   # and step time
     python scripts/architectures.py --width published --tag published   # saved bytes, published widths
+    python scripts/architectures.py --width published --real 0.4 \
+        --setups 'exact-skip,int4+lean(gelu4)+floor4' --tag published_real40   # padded rows
     python scripts/architectures.py --families bert,gpt2 --setups int4,lean --out-dir /tmp/arch
 """
 
@@ -34,6 +36,9 @@ def main(argv=None) -> None:
                            f"{architectures.LEAN_FLOOR_SRHT}")
     p.add_argument("--time-length", type=int, default=512,
                    help="tokens per row when timing, and at --width published")
+    p.add_argument("--real", type=float, default=1.0,
+                   help="with --width published: that share of the tokens real, rows padded on "
+                        "the right (0.4: rows of 70/50/30/10%%); default 1, full-length rows")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--tag", default="", help="architectures_<tag>.{json,md}")
     p.add_argument("--out-dir", default=None)

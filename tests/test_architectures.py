@@ -93,6 +93,27 @@ def test_published_widths_measure_saved_bytes(tmp_path):
     assert proc.returncode != 0 and "unknown setup or family ['convnet']" in proc.stderr
 
 
+def test_published_widths_on_padded_rows_compare_with_exact_skipping_the_padding(tmp_path):
+    """``--real 0.4``: rows of 70/50/30/10% real tokens; exact-skip (exact, the linear layers
+    keeping non-padding rows only) keeps less than exact, and the table gives each setup over
+    exact-skip's too."""
+    run_script(py("architectures.py", "--width", "published", "--families", "bert", "--setups",
+                  f"exact-skip,{LEAN_FLOOR}", "--real", "0.4", "--time-length", "64",
+                  "--threads", "1", "--out-dir", str(tmp_path)), tmp_path)
+    data = json.loads((tmp_path / "architectures.json").read_text())
+    skip, lean = (c["saved_ratio"] for c in data["results"][0]["cells"])
+    assert 0.4 < skip < 1 and 0 < lean < skip
+    table = (tmp_path / "architectures.md").read_text()
+    assert "40% of them real (rows of 70%, 50%, 30%, 10%" in table
+    assert f"| bert | {lean / skip:.3f} |" in table.split("over exact-skip's")[1]
+    batch = arch.timing_batch("bert", fam.build("bert"), 64, 0.4)
+    assert batch["attention_mask"].sum(1).tolist() == [45, 32, 19, 6]
+    for bad in ("0.6", "0"):
+        proc = subprocess.run(py("architectures.py", "--width", "published", "--families", "bert",
+                                 "--real", bad), capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "--real is a share of real tokens" in proc.stderr
+
+
 def test_timing_runs_every_model_with_the_familys_fastest_exact_attention(monkeypatch):
     """Exact, checkpointing and each setup are timed with SDPA where the family has it (its fused
     kernels are not a saving of the setups), eager where SDPA would not compute the family's own

@@ -87,18 +87,19 @@ def test_coded_rmsnorm_weight_gradient_is_unbiased_and_input_gradient_bias_below
     assert (dws.std(0) > 0).all()  # the code is random
 
 
-def test_coded_rmsnorm_backward_from_an_exact_code_is_rmsnormfunctions(monkeypatch):
+@pytest.mark.parametrize("shape", [(2, 5, 32), (2, 5, 3, 32)])  # a hidden state, QK-norm heads
+def test_coded_rmsnorm_backward_from_an_exact_code_is_rmsnormfunctions(monkeypatch, shape):
     """The backward's arithmetic alone: given its output itself as the code, the coded RMSNorm's
     gradients are RMSNormFunction's, to float32 rounding; a column with a tiny weight keeps its
-    input column."""
+    input column. Heads (a QK-norm's input) are coded a token's heads a row."""
     monkeypatch.setattr(norms, "SharedCode", IdentityCode)
     monkeypatch.setattr(norms, "quantize", lambda y, bits, group, seed: (y.clone(), None, None))
     norm = tiny_llama().model.norm.train()
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         norm.weight[3] = 1e-4
-    x = torch.randn(2, 5, 32) * 2 + 1
-    dy = torch.randn(2, 5, 32)
+    x = torch.randn(*shape) * 2 + 1
+    dy = torch.randn(*shape)
     got = []
     for f in (CodedRMSNorm(norm, bits=4, name="norm"),
               lambda t: RMSNormFunction.apply(t, norm.weight, norm.variance_epsilon)):
@@ -108,6 +109,27 @@ def test_coded_rmsnorm_backward_from_an_exact_code_is_rmsnormfunctions(monkeypat
         got.append((xr.grad, norm.weight.grad.clone()))
     for a, b in zip(*got, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_qk_norms_code_is_not_padded_head_by_head():
+    """A QK-norm normalises each head (batch, tokens, heads, 16 columns here): its code's rows
+    are a token's heads, so no row is padded to a whole group of 64 (four times the codes), and,
+    as no linear layer reads it, it is not filed. A hidden state's code is filed, as before."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from sketchprop.codes import code_of
+    norm = LlamaRMSNorm(16).train()
+    coded = CodedRMSNorm(norm, bits=4, group=64, name="q_norm")
+    x = torch.randn(2, 6, 4, 16, requires_grad=True)
+    y = coded(x)
+    payload = next(t for t in y.grad_fn.next_functions[0][0].saved_tensors
+                   if t.dtype == torch.uint8)
+    assert payload.numel() == x.numel() // 2 + x.numel() // 64 * 4  # 4 bits, 4 bytes a group
+    assert code_of(y) is None
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and norm.weight.grad is not None
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    assert code_of(coded(hidden)) is not None
 
 
 def test_coded_rmsnorm_keeps_the_input_of_a_column_with_a_small_weight():

@@ -342,14 +342,16 @@ class _CodedRMSNormFunction(torch.autograd.Function):
     output (a :class:`~sketchprop.codes.SharedCode`, appended to ``made`` for the caller to file),
     the ``rsqrt`` per row and the input columns listed in ``kept``, not the input: backward makes
     the normalised input again as ``y~ / s``, ``s`` the scale (``weight``, or ``1 + weight``
-    where ``offset`` is 1)."""
+    where ``offset`` is 1). ``code_cols``: columns of the code's rows, a multiple of ``x``'s
+    (a token's heads under a QK-norm: rows narrower than a group would pad each to a whole one)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, kept: Tensor | None, bits: int,
-                group: int, seed: int, made: list, offset: float = 0.0) -> Tensor:
+                group: int, seed: int, made: list, offset: float = 0.0,
+                code_cols: int | None = None) -> Tensor:
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         y = x * r * (1.0 + weight) if offset else weight * (x * r)
-        payload, spec, _ = quantize(y, bits, group, seed)
+        payload, spec, _ = quantize(y.reshape(-1, code_cols or y.shape[-1]), bits, group, seed)
         made.append(SharedCode(payload, spec))
         ctx.spec, ctx.offset = spec, offset
         ctx.save_for_backward(payload, weight, r, kept,
@@ -361,7 +363,8 @@ class _CodedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         payload, weight, r, kept, cols = ctx.saved_tensors
         scale = weight + ctx.offset
-        n = SharedCode(payload, ctx.spec).decode().mul_(scale.reciprocal())
+        n = SharedCode(payload, ctx.spec).decode().reshape(-1, scale.shape[-1])
+        n = n.mul_(scale.reciprocal())
         if kept is not None:
             n.index_copy_(-1, kept, cols * r)
         dw = (dy * n).sum(0) if ctx.needs_input_grad[1] else None
@@ -370,7 +373,7 @@ class _CodedRMSNormFunction(torch.autograd.Function):
             dn = dy * scale
             # As RMSNormFunction's, with x r = n: r (dn - n mean(dn n)).
             dx = (dn - n * (dn * n).mean(-1, keepdim=True)).mul_(r)
-        return dx, dw, *[None] * 7
+        return dx, dw, *[None] * 8
 
 
 def _rms_eps(module: nn.Module) -> float | None:
@@ -467,10 +470,16 @@ class CodedRMSNorm:
             return type(module).forward(module, x)
         made: list = []
         offset = float(rms_norm_form(module) == "gemma")  # T5's is Llama's in float32
+        # A QK-norm's rows are heads (batch, tokens, heads, head_dim): narrower than a group,
+        # each would be padded to a whole one (4x the bytes at 16 columns), so the code's rows
+        # are a token's heads. No linear layer reads such a code: it is not filed.
+        heads = x.dim() >= 4 and x.shape[-1] < self.group
         y = _CodedRMSNormFunction.apply(x.reshape(-1, x.shape[-1]), module.weight,
                                         _rms_eps(module),
                                         _kept_columns(module, None, self.group, offset),
                                         self.bits, self.group, self.seeds.next(), made,
-                                        offset).view(x.shape)
-        file_code(y, made[0])
+                                        offset, x.shape[-2] * x.shape[-1] if heads else None
+                                        ).view(x.shape)
+        if not heads:
+            file_code(y, made[0])
         return y

@@ -95,7 +95,13 @@ SETUPS: dict[str, tuple[dict | None, dict | None]] = {
     # the same with the sketch recommended on a CPU (results/bench/README.md): the same rows
     # and bytes, the Hadamard transform within blocks of 8 rows in place of a dense Gaussian
     "int4(blocksrht)+lean(gelu4)+floor4": ({**_INT4, "sketch": "blocksrht"}, {"preset": "lean"}),
+    # exact, its linear layers keeping their inputs' non-padding rows only: the saving of padded
+    # rows that exact can take too, the baseline of a padded batch (--real)
+    "exact-skip": ({"sketch": "exact", "rho": 1.0}, None),
 }
+#: Row lengths of a padded batch (``--real r``): ``r`` times these of the longest row, 4 rows;
+#: their mean is ``r``.
+REAL_SPREAD = (1.75, 1.25, 0.75, 0.25)
 #: The setup the measurements picked for lean with the floor, the lean preset's defaults
 #: (docs/library.md, "The generic floor").
 LEAN_FLOOR = "int4+lean(gelu4)+floor4"
@@ -305,15 +311,16 @@ def forward_bytes(model: nn.Module, batch: dict) -> int:
     return meter.bytes
 
 
-def measure_published(name: str, setups: list[str], length: int) -> Row:
+def measure_published(name: str, setups: list[str], length: int, real: float = 1.0) -> Row:
     """Family ``name`` at its published width (:data:`~sketchprop.bench.families.PUBLISHED`) on
-    four full-length rows of ``length`` tokens: each setup's saved bytes over exact's and its
+    four rows of ``length`` tokens, full-length or (``real`` below 1) that share of them real,
+    padded on the right (:func:`timing_batch`): each setup's saved bytes over exact's and its
     parts, from one training forward each (no backward: at these widths a step takes minutes on
     a CPU, and a Mixtral slice's weights and gradients would not fit its memory). One model,
     patched and unpatched in turn."""
     _, width, overrides = fam.PUBLISHED[name]
     model, _ = build(name, width, length, overrides)
-    batch = timing_batch(name, model, length)
+    batch = timing_batch(name, model, length, real)
     row = Row(name, type(model).__name__, forward_bytes(model, batch))
     for setup in setups:
         cell, start = Cell(setup), time.perf_counter()
@@ -326,22 +333,32 @@ def measure_published(name: str, setups: list[str], length: int) -> Row:
     return row
 
 
-def timing_batch(name: str, model: nn.Module, length: int) -> dict:
+def timing_batch(name: str, model: nn.Module, length: int, real: float = 1.0) -> dict:
     """Four full-length rows of ``length`` tokens (no padding: exact skips nothing that a saving
-    could), with the family's target; four images of about ``length`` patches for ViT (the model
-    built for them), the conv net's batch as for the matrix."""
+    could), with the family's target; with ``real`` below 1, rows of ``real`` times
+    :data:`REAL_SPREAD` of ``length`` tokens (0.4: 70%, 50%, 30% and 10% of it; ``real`` of the
+    tokens in all), padded on the right, the padding's targets ignored. Four images of about
+    ``length`` patches for ViT (the model built for them; no padding), the conv net's batch as
+    for the matrix."""
     if name == CONV or fam.FAMILIES[name].kind == "image":
         return build(name, fam.TINY)[1] if name == CONV else fam.make_batch(name, model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (4, length), generator=g)
-    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    lengths = torch.tensor([length if real == 1 else max(1, round(length * real * f))
+                            for f in REAL_SPREAD])
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ids = ids.masked_fill(mask == 0, pad)
+    data = {"input_ids": ids, "attention_mask": mask}
     kind = fam.FAMILIES[name].kind
     if kind == "classify":
         data["labels"] = torch.randint(0, model.config.num_labels, (4,), generator=g)
     elif kind == "seq2seq":
-        data["labels"] = torch.randint(3, model.config.vocab_size, (4, length // 2), generator=g)
+        labels = torch.randint(3, model.config.vocab_size, (4, length // 2), generator=g)
+        data["labels"] = labels.masked_fill(
+            torch.arange(length // 2)[None, :] >= (lengths[:, None] + 1) // 2, -100)
     else:
-        data["labels"] = ids
+        data["labels"] = ids.masked_fill(mask == 0, -100)
     return data
 
 
@@ -391,10 +408,15 @@ def tables(payload: dict) -> str:
     setups = [c["setup"] for c in rows[0]["cells"]]
     w = payload["width"]
     published = payload.get("published")  # family: its checkpoint and shape (--width published)
+    real = a.get("real", 1.0)
     if published:
+        rows_are = (f"4 x {a['time_length']} full-length tokens" if real == 1 else
+                    f"4 rows of {a['time_length']} tokens, {real:.0%} of them real (rows of "
+                    + ", ".join(f"{real * f:.0%}" for f in REAL_SPREAD)
+                    + ", padded on the right)")
         where = (f"each family at its published width (below), random weights, {w['layers']} "
-                 f"layers, 4 x {a['time_length']} full-length tokens (ViT: 4 images of about as "
-                 f"many patches); one training forward per setup")
+                 f"layers, {rows_are} (ViT: 4 images of about as many patches, no padding); one "
+                 f"training forward per setup")
     else:
         where = (f"random weights, hidden {w['hidden']}, {w['heads']} heads, MLP {w['mlp']}, "
                  f"{w['layers']} layers, batch 4 x 48 tokens padded on the right (the conv net: "
@@ -407,6 +429,19 @@ def tables(payload: dict) -> str:
         out.append(fmt_table(["family", *setups], lines, title=f"{title}; {where}"))
 
     cell_table("Saved bytes over exact's", lambda c: _fmt(c["saved_ratio"], ".3f"))
+    if "exact-skip" in setups:  # over the baseline that skips the padding's rows too
+        lines = []
+        for r in rows:
+            cells = {c["setup"]: c for c in r["cells"]}
+            skip = cells["exact-skip"]["saved_ratio"]
+            lines.append([r["family"], *("-" if c["refused"] or skip is None or
+                                         c["saved_ratio"] is None else
+                                         f"{c['saved_ratio'] / skip:.3f}"
+                                         for c in r["cells"] if c["setup"] != "exact-skip")])
+        out.append(fmt_table(
+            ["family", *(s for s in setups if s != "exact-skip")], lines,
+            title=f"Saved bytes over exact-skip's (exact, its linear layers keeping their "
+                  f"inputs' non-padding rows only); {where}"))
     if not published:
         cell_table("Gradient error ||g - g_exact||^2 / ||g_exact||^2 (mean over the steps)",
                    lambda c: _fmt(c["error"], ".1e"))
@@ -496,9 +531,13 @@ def run(args) -> None:
                          f"{[*fam.FAMILIES, *([] if published else [CONV])]}")
     if published and args.time:
         raise SystemExit("--width published measures saved bytes only: no --time")
+    if args.real != 1 and not (published and 0 < args.real <= 1 / REAL_SPREAD[0]):
+        raise SystemExit(f"--real is a share of real tokens in (0, {1 / REAL_SPREAD[0]:.2f}] "
+                         f"(its longest row {REAL_SPREAD[0]} times it), with --width published; "
+                         f"got {args.real}")
     results = []
     for name in names:
-        row = (measure_published(name, setups, args.time_length) if published
+        row = (measure_published(name, setups, args.time_length, args.real) if published
                else measure(name, width, setups, args.steps))
         results.append(asdict(row))
         print(f"{name}: " + ", ".join(f"{c['setup']} {_fmt(c['saved_ratio'], '.3f')}"
