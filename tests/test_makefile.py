@@ -56,7 +56,8 @@ def test_bench_suite_remakes_every_committed_benchmark():
         tag = words[words.index("--tag") + 1] if "--tag" in words else ""
         runs.add((words[0].removeprefix("scripts/"), tag))
     runs.update({("architectures.py", ""), ("architectures.py", "wide")})  # make architectures
-    runs.add(("architectures.py", "published"))  # make architectures-published
+    runs.update({("architectures.py", "published"),  # make architectures-published
+                 ("architectures.py", "published_real40")})
     runs.add(("decoder_finetune.py", ""))  # make decoder-finetune
     for path in sorted((REPO_ROOT / "results" / "bench").glob("*.json")):
         words = shlex.split(json.loads(path.read_text())["environment"]["command"])
