@@ -169,7 +169,7 @@ bench: install  ## the CPU benchmark suite that fills results/bench/ (a few hour
 bench-speed: install  ## step time against exact and exact-skip (int4, compact, both, int4 + lean, ckpt, ours): roberta-base 8x128 and 16x128, full and real rows, 1 thread and all, eager and under torch.compile; each codec fused and eager beside a copy of its bytes (about 2.5 h on 2 cores): results/bench/speed_cpu.md
 	$(PY) scripts/bench_speed.py --eager-codecs --compile-model $(ARGS)
 
-architectures: install  ## every family (17 and a conv net) under every setup: saved bytes, gradient error and bias, parts applied and left (tiny and wide random models), step time against checkpointing (wide, 4 x 512 tokens) (~20 min on 2 cores): results/bench/architectures.md, architectures_wide.md
+architectures: install  ## every family (17 and a conv net) under every setup: saved bytes, gradient error and bias, parts applied and left (tiny and wide random models), step time against checkpointing (wide, 4 x 512 tokens, SDPA where the family has it) (~10 min on 2 cores): results/bench/architectures.md, architectures_wide.md
 	$(PY) scripts/architectures.py $(ARGS)
 	$(PY) scripts/architectures.py --width wide --time --tag wide $(ARGS)
 
