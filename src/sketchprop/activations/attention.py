@@ -28,11 +28,9 @@ linear); both measured by ``scripts/lean_check.py``. Coded, a Llama-style block 
 ``k_proj``, ``v_proj`` and rotary ``position_embeddings``: :func:`has_rope_projections`) is made
 again too: Q and K rotated with the call's ``cos, sin`` (saved, one pair shared by every layer),
 checked bit for bit against forward's on the first call; a call with a cache that already held keys
-keeps Q, K and V. On a CPU, coded attention computes the probabilities in PyTorch's fused kernels
-(flash attention for CPU, what SDPA runs there; :func:`fused_cpu`: no dropout, soft cap, learned
-bias or query without a key to attend to): in forward, and in backward its forward again and its
-backward, never the probabilities whole. The same attention to float rounding (tested against
-the unfused path), at about a quarter of its time at 512 tokens.
+keeps Q, K and V. On a CPU, coded attention runs PyTorch's fused kernels where they apply
+(:func:`fused_cpu`): forward, and in backward forward again and backward; the same attention to
+float rounding, in about a quarter of the unfused time at 512 tokens.
 
 Attention (grouped K/V heads, rotary embeddings) goes through
 :func:`recompute_attention`, which keeps the rotated Q and K and the
@@ -157,9 +155,8 @@ def _attention_grads(dout, q, k, v, mask, scaling: float, p: float, seed: int,
     return torch.matmul(dscores, k), _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads), dbias
 
 
-# PyTorch's fused CPU attention kernels (flash attention for CPU, what ``F.scaled_dot_product_attention``
-# runs there): forward gives the output and the rows' log-sum-exp, backward the gradients of Q, K,
-# V from them, in blocks, never the probabilities whole. (None on a torch without them.)
+# PyTorch's fused CPU attention kernels (flash attention for CPU, SDPA's there): forward gives the
+# output and log-sum-exp, backward dQ, dK, dV from them, never the probabilities whole.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten,
                               "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -179,9 +176,8 @@ def fused_cpu(q: Tensor, mask: Tensor | None, p: float, bias: Tensor | None,
 
 
 def _causal(mask: Tensor | None) -> bool:
-    """Whether ``mask`` is the causal pattern alone (no padding, no window): the fused kernels
-    take it as ``is_causal`` then, about 10% faster on a CPU than the same mask given whole
-    (measured at 4 x 512 tokens, 12 heads of 32)."""
+    """Whether ``mask`` is the causal pattern alone: the fused kernels take it as ``is_causal``,
+    about 10% faster on a CPU than the mask whole (4 x 512 tokens, 12 heads of 32)."""
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 \
             or mask.shape[-1] != mask.shape[-2]:
         return False
@@ -200,8 +196,8 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _fused_attend(q, k, v, mask, scaling: float, causal: bool) -> Tensor:
-    """:func:`_attend` without dropout, bias or cap, by the fused CPU kernel (grouped K/V heads as
-    they are); ``causal``: ``mask`` is the causal pattern alone (:func:`_causal`)."""
+    """:func:`_attend` without dropout, bias or cap, by the fused CPU kernel (``causal``:
+    :func:`_causal`)."""
     return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=None if causal else _additive(mask, q.dtype),
                       scale=scaling)[0]
 
@@ -274,8 +270,7 @@ class _ProjectedAttention(torch.autograd.Function):
         prints = None if ctx.coded else fingerprints(
             *((t[:1, :, :1] for t in (q, k, v)) if ctx.first_row else (q, k, v)))
         ctx.module_name = module_name
-        # Not exact anyway (from a code), so through the fused kernels where they apply: the same
-        # attention to float rounding, at a fraction of the unfused time on a CPU.
+        # not exact anyway (from a code): the fused kernels where they apply
         ctx.fused = ctx.coded and fused_cpu(q, mask, p, bias, softcap)
         ctx.save_for_backward(mask, seed, bias, x,
                               *(rope or (None, None)), prints,
